@@ -15,6 +15,7 @@ import weightstore as ws
 torch = pytest.importorskip("torch")
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
 from weightstore.adapters.serving.follower import Follower  # noqa: E402
+from weightstore.io.folders import folder_for  # noqa: E402
 
 BUCKET = "weightstore-delta-follower"
 
@@ -188,3 +189,87 @@ def test_a_state_dict_published_as_deltas_keeps_its_names_and_follows(tmp_path, 
     with ws.open(ws.sync.list_versions(folder)[0].path) as anchor:
         assert [anchor.stored_names()[key] for key in anchor] == names
     same(ws.load(ws.sync.list_versions(folder)[-1].path), weights)  # rebuilt from its base, read by key
+
+
+def _folder(tmp_path, request, where: str) -> str:
+    if where == "s3":
+        request.getfixturevalue("s3")
+        return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_follower_catching_up_reads_only_the_deltas_after_the_version_it_holds(tmp_path, request, where):
+    """A follower holding step 8 of a chain catches up to step 12 from the deltas 9-12 alone: with
+    the anchor and every delta below step 8 gone it still serves step 12's weights. Its cost grows
+    with the versions it missed, not with the chain's depth (a local one opened the whole chain,
+    down to the anchor, to pin each version)."""
+    folder = _folder(tmp_path, request, where)
+    target, rng, delta = module(), np.random.default_rng(5), ws.Delta(anchor_every=50)
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    with Follower(target, folder, poll=0.02, deltas=True) as follower:
+        weights = run(folder, target, [1], weights, rng, delta, follower, keep=None)
+        for step in range(2, 13):
+            if step == 8:
+                weights = run(folder, target, [8], weights, rng, delta, follower, keep=None)
+                follower.stop()
+                continue
+            weights = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta, keep=None)
+        versions = ws.sync.list_versions(folder)
+        assert [entry.kind for entry in versions] == ["full", *["delta"] * 11]
+        source = folder_for(folder)
+        for entry in versions[:8]:  # the anchor, the deltas below step 8, and step 8: its tensors are held
+            source.remove(entry.name)
+        follower.start()
+        assert follower.wait(12, timeout=60) is not None and follower.version.step == 12
+        same(held_by(target), weights)
+        assert follower.error is None
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("route", ["chain", "anchor"])
+def test_a_follower_that_loses_a_race_with_retention_never_serves_wrong_weights(tmp_path, request, caplog, where,
+                                                                                  route):
+    """Between the follower's look at step 6 (a delta on the step 3 it holds) and its read, the
+    trainer publishes an anchor and a delta with ``keep=1``: retention removes steps 1-6. Locally
+    step 6 is pinned down to step 3 (its deltas 4-6 stay mapped): rebuilt onto the held copy, it
+    is served as published. Where that is not possible (on S3, which pins nothing, or a held copy
+    that does not rebuild, so that step 6 is read from its anchor, opened only then and pruned),
+    the version is gone: the follower reads ``LATEST`` again and serves step 8, with no failure."""
+    folder = _folder(tmp_path, request, where)
+    target, rng, delta = module(), np.random.default_rng(6), ws.Delta(anchor_every=50)
+    weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    published, served = {}, {}
+    with Follower(target, folder, poll=0.02, deltas=True) as follower:
+        weights = run(folder, target, [1, 2, 3], weights, rng, delta, follower, keep=None)
+        follower.stop()
+        for step in (4, 5, 6):
+            weights = published[step] = step_of(weights, rng)
+            ws.publish(folder, weights, step=step, delta=delta, keep=None)
+        if route == "anchor":
+            for _, data in follower._held.values():  # what the chain is applied onto, damaged
+                data[:8] ^= 0xFF
+        stage, assign = follower._stage, follower._assign
+
+        def racing(version, skip, words):
+            if version.step == 6 and 7 not in published:
+                published[7] = step_of(published[6], rng)
+                ws.publish(folder, published[7], step=7, keep=None)  # an anchor
+                published[8] = step_of(published[7], rng)
+                ws.publish(folder, published[8], step=8, delta=ws.Delta(), keep=1)
+                assert [entry.step for entry in ws.sync.list_versions(folder)] == [7, 8]
+            return stage(version, skip, words)
+
+        def recorded(target, staged, **words):
+            report = assign(target, staged, **words)
+            served[int(Path(staged.path).name[5:17])] = held_by(target)
+            return report
+
+        follower._stage, follower._assign = racing, recorded
+        follower.start()
+        assert follower.wait(8, timeout=60) is not None
+        assert follower.error is None and "assigning step" not in caplog.text
+    for step, held in served.items():
+        same(held, published[step])
+    assert 8 in served and (6 in served) == (where == "local" and route == "chain")

@@ -1071,9 +1071,9 @@ def test_follow_passes_over_a_damaged_version_and_yields_the_next(tmp_path, capl
     opened = []
     pin = versions.Version.pin
 
-    def counted(self):
+    def counted(self, *args):
         opened.append(self.step)
-        return pin(self)
+        return pin(self, *args)
 
     monkeypatch.setattr(versions.Version, "pin", counted)
     threading.Timer(0.5, lambda: ws.publish(tmp_path, weights_at(3), step=3)).start()

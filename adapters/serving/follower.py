@@ -370,7 +370,7 @@ class Follower:
         while not loop.stop.is_set():
             try:
                 with loop.storage():
-                    version = watch.newer(last, followed=followed)
+                    version = watch.newer(last, followed=followed, holding=self._holding())
             except FormatError as exc:
                 if watch.unreadable is None:  # LATEST itself: the folder is damaged until it reads cleanly
                     self._failed(loop, exc, "following")
@@ -516,6 +516,13 @@ class Follower:
         except BaseException:
             store.close()
             raise
+
+    def _holding(self) -> str | None:
+        """The file name of the version whose copies this follower holds (the next delta version
+        is pinned down to it: :meth:`weightstore.sync.Version.pin`); ``None`` while it keeps none."""
+        if self.version is None or not self._held or self.deltas is False:
+            return None
+        return self.version.path.rsplit("/", 1)[-1]
 
     def _held_version(self, store: Store) -> str | None:
         """The file name of the version held, where ``store`` may be rebuilt onto its held

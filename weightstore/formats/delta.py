@@ -725,12 +725,14 @@ def read_head(location: Any, name: str, *, member: bool = False, checked: list[s
 class DeltaReader(ReaderDefaults):
     """A delta version as a store: each tensor rebuilt from its base's, then checked against
     the digest the publisher recorded (``verify``). A local chain is opened whole when this is,
-    so it is pinned (mapped) with it; a remote base is opened when first read, so a reader that
+    so it is pinned (mapped) with it, or down to ``until`` (a base's file name), the bases below
+    it opened when first read; a remote base is opened when first read, so a reader that
     rebuilds onto a version it holds (:meth:`read_from`) never fetches the anchor's index."""
 
     def __init__(self, source: ByteSource, name: str, open_base: Callable[[str, int, list[str]], Reader],
                  depth: int, expect_step: int | None, *, eager: bool = True, member: bool = False,
-                 most_files: int | None = None, chained: bool = False, checked: list[str] | None = None):
+                 most_files: int | None = None, chained: bool = False, checked: list[str] | None = None,
+                 until: str | None = None):
         self._source = source
         self.name = name
         head_bytes, entries_bytes, manifest_bytes = _prefix(source)
@@ -761,18 +763,21 @@ class DeltaReader(ReaderDefaults):
         self._opened: Reader | None = None
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
         if eager and not chained:  # chained: a local chain's base, opened by its top (_open_chain); or chain=False
-            self._open_chain()
+            self._open_chain(until)
 
-    def _open_chain(self) -> None:
-        """Open each base of this version's local chain down to its anchor, one after the other,
-        not each inside the one above: a reader's stack stays the same however deep its chain (a
+    def _open_chain(self, until: str | None = None) -> None:
+        """Open each base of this version's local chain down to its anchor, or to ``until`` (a
+        base's file name, not opened: a reader that holds its bytes reads nothing below it, so a
+        follower's pin costs the deltas since the version it holds, not the chain's depth), one
+        after the other, not each inside the one above: a reader's stack stays the same however
+        deep its chain (a
         chain of 165 small deltas opened within each other passed Python's 1,000 frames, and a
         sound chain read as corrupt). A base that fails is named once, as a remote chain's is:
         "in its chain, <the delta above it>: ..." (nested once a level, a missing anchor below 130
         deltas made a 4 KB message for each, and ``ws verify`` printed 370 KB)."""
         levels: list[DeltaReader] = [self]
         try:
-            while True:
+            while levels[-1].head.base != until:
                 level = levels[-1]
                 try:
                     level._opened = level._open_base()
@@ -1269,13 +1274,16 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
 _HASH_PIECE = 1 << 20
 
 
-def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool = True,
+def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool | str = True,
                 checked: list[str] | None = None) -> Reader:
     """The delta version at ``location``, its chain of bases opened beside it. ``chain=False``:
     each base is opened when first read instead, as a remote one is (a reader that holds the
-    base's bytes proven rebuilds onto them and opens none: ``ws verify FOLDER``); ``checked``:
-    the chain its head should list, as :func:`parse_head` takes it."""
-    return _open(location, name, mmap, 0, chained=not chain, checked=checked)
+    base's bytes proven rebuilds onto them and opens none: ``ws verify FOLDER``); a base's file
+    name: the chain is opened down to that base, not it (a follower holding that version, which
+    rebuilds onto it: :meth:`DeltaReader.read_from`), each base below when first read;
+    ``checked``: the chain its head should list, as :func:`parse_head` takes it."""
+    return _open(location, name, mmap, 0, chained=chain is False, checked=checked,
+                 until=chain if isinstance(chain, str) else None)
 
 
 def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int | None = None) -> DeltaReader:
@@ -1288,7 +1296,8 @@ def open_member(location: Any, name: str, *, mmap: bool = True, most_files: int 
 
 
 def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = False,
-          most_files: int | None = None, chained: bool = False, checked: list[str] | None = None) -> DeltaReader:
+          most_files: int | None = None, chained: bool = False, checked: list[str] | None = None,
+          until: str | None = None) -> DeltaReader:
     parts = name.replace("\\", "/").rsplit("/", 2)
     own = "/".join(parts[-2:]) if member else parts[-1]
 
@@ -1318,7 +1327,7 @@ def _open(location: Any, name: str, mmap: bool, depth: int, *, member: bool = Fa
                                                                  _step_of(own, member),
                                                                  eager=not isinstance(source, RemoteFile),
                                                                  member=member, most_files=most_files,
-                                                                 chained=chained, checked=checked),
+                                                                 chained=chained, checked=checked, until=until),
                        index_at_end=False, mmap=mmap)
 
 

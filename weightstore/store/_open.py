@@ -366,19 +366,21 @@ def open(path: Any, *, verify: bool = True, format: str | None = None, mmap: boo
     return _named(store, check_naming(names, READ_NAMINGS))
 
 
-def open_onto_base(path: Any, chain: list[str] | None = None) -> Store:
-    """:func:`open` of the delta version ``path`` without its chain: each base is opened when a
-    tensor is first read whole, not with it. For a reader that holds the base's tensors, proven,
-    and rebuilds onto them (``ws verify FOLDER``): opened whole, each version of a chain 1,000
-    deep opened every file below it, and verifying the chain took time quadratic in its depth.
-    ``chain``: the chain its head should list (its base, then the base's chain), taken as
-    checked where the head lists just that."""
+def open_onto_base(path: Any, chain: list[str] | None = None, *, held: str | None = None) -> Store:
+    """:func:`open` of the delta version ``path`` for a reader that holds the tensors of a
+    version of its chain, proven, and rebuilds onto them: its chain is opened down to ``held``
+    (that version's file name; none: not at all), and each base below it when a tensor is first
+    read whole. So what such a reader costs grows with the deltas after the version it holds,
+    not with the chain's depth: opened whole, each version of a chain 1,000 deep opened every
+    file below it (``ws verify FOLDER`` took time quadratic in its depth; a follower holding
+    step 999 of it opened 999 files to read one). ``chain``: the chain its head should list
+    (its base, then the base's chain), taken as checked where the head lists just that."""
     import dataclasses
 
     from weightstore.formats import delta
 
-    fmt = dataclasses.replace(delta.FORMAT, open_reader=functools.partial(delta.open_reader, chain=False,
-                                                                           checked=chain))
+    fmt = dataclasses.replace(delta.FORMAT, open_reader=functools.partial(
+        delta.open_reader, chain=False if held is None else held, checked=chain))
     with paused_gc():
         store = _open_file(place_of(path), fmt, True, True)
     return _named(store, None)

@@ -224,21 +224,22 @@ class PointerWatch:
                 self.interval = self.poll
                 return
 
-    def newer(self, last: int | None, *, followed: bool = False) -> Version | None:
+    def newer(self, last: int | None, *, followed: bool = False, holding: str | None = None) -> Version | None:
         """The latest version if it is above ``last``, pinned; None when there is none (or the
         pointer did not change since the last look).
 
         ``followed``: ``last`` is the step of a version the caller took (not only a step to start
         after), so a pointer that went back below it (the folder deleted and a run started over
         in it, ``LATEST`` restored from a backup) names what the folder now serves: that version
-        is returned too, with a warning, rather than waited past in silence."""
+        is returned too, with a warning, rather than waited past in silence. ``holding``: the
+        file name of the version whose tensors the caller holds (:meth:`Version.pin`)."""
         tag = self.source.tag(LATEST)
         if not self._fresh and tag == self._read:
             self._idle()
             return None
         self.unreadable = None
         try:
-            version = self._newer_pinned(last, back=followed)
+            version = self._newer_pinned(last, back=followed, holding=holding)
         except FormatError:
             if self.unreadable is not None:  # read through, and nothing new to take: as a quiet look
                 self._read, self._fresh = tag, False
@@ -251,7 +252,7 @@ class PointerWatch:
             self.interval = self.poll
         return version
 
-    def _newer_pinned(self, last: int | None, *, back: bool) -> Version | None:
+    def _newer_pinned(self, last: int | None, *, back: bool, holding: str | None) -> Version | None:
         """The latest version if it is above ``last`` (with ``back``, below it too), opened;
         retries while it is pruned away. A version whose file does not open (damaged) is noted in
         :attr:`unreadable` before its error is raised."""
@@ -263,7 +264,7 @@ class PointerWatch:
                 return None
             went_back = last is not None and version.step < last  # only asked for with ``back``
             try:
-                version.pin()
+                version.pin(holding)
             except FormatError:
                 self.unreadable = version.step
                 raise

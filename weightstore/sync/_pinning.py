@@ -1,9 +1,16 @@
 """A published version as readers hold it: :class:`Version`, opened and pinned.
 
 **Pinning.** :func:`follow` opens each version before yielding it. A local file is memory-
-mapped, and a mapping survives the file's removal, so a slow reader keeps its version. An
-object store has no such thing: the open object's bytes are fetched in ranges as they are read,
-so a reader that lags more than one publish behind can still lose a large version; it then gets
+mapped, and a mapping survives the file's removal, so a slow reader keeps its version; a local
+delta version is pinned with its chain, down to its anchor (what a reader holding nothing
+reads). A ``Follower`` holding a version of that chain pins the next one down to the version it
+holds only (:meth:`Version.pin`'s ``holding``): the deltas it rebuilds onto its copy, so its
+cost grows with the versions it missed, not with the chain's depth. A base below is opened only
+if read (a copy that does not rebuild); retention removes the newest first and never a base a
+kept version needs, so a base pruned by then means the version is gone too: the read raises
+:class:`VersionGoneError` and the follower reads ``LATEST`` again. An object store has no such
+thing: the open object's bytes are fetched in ranges as they are read, so a reader that lags
+more than one publish behind can still lose a large version; it then gets
 :class:`VersionGoneError` and should move to the newest (``Follower`` does). A store opened
 from a pinned version (``ws.open(version)``) shares the pin and keeps the file open until it
 is closed itself, even after the iteration moved on.
@@ -34,6 +41,7 @@ from weightstore.errors import (
     naming,
 )
 from weightstore.formats import Reader, format_for_suffix, format_named
+from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import LATEST, parse_pointer
 from weightstore.formats._renamed import by_saved_keys
 from weightstore.formats._sharded_index import index_name
@@ -114,13 +122,19 @@ class Version:
         pinned = self._pinned
         if pinned is not None and pinned.acquire():
             return Store(_Borrowed(pinned), self.path, verify)
-        return _open_version(self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else "."),
-                             self, verify)
+        return _open_version(self._source(), self, verify)
 
-    def pin(self) -> None:
-        """Open the file now so that pruning cannot take it away; :meth:`release` lets go."""
+    def _source(self) -> Folder:
+        return self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else ".")
+
+    def pin(self, holding: str | None = None) -> None:
+        """Open the file now so that pruning cannot take it away; :meth:`release` lets go.
+
+        ``holding``: the file name of a version whose tensors the reader holds and rebuilds
+        this one onto (a ``Follower``'s): a local delta version's chain is pinned down to it, not
+        to its anchor (see the module's Pinning)."""
         if self._pinned is None:
-            self._pinned = _SharedReader(self._weightstore_open(verify=True)._reader)
+            self._pinned = _SharedReader(_open_version(self._source(), self, True, holding)._reader)
 
     def release(self) -> None:
         pinned, self._pinned = self._pinned, None
@@ -159,7 +173,10 @@ def pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     return Version(pointer["step"], folder.url(pointer["file"]), pointer.get("created", ""), metadata, folder)
 
 
-def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
+def _open_version(folder: Folder, version: Version, verify: bool, holding: str | None = None) -> Store:
+    """``version``'s file opened; a local delta version's chain with it, down to its anchor, or
+    to ``holding`` (:meth:`Version.pin`), each base below opened when first read, and a base
+    found pruned by then a :class:`VersionGoneError` (:class:`_RemovedIsGone`)."""
     name = version.path.rsplit("/", 1)[-1]
     fmt = format_for_suffix(name) or format_named("npz")
     try:
@@ -168,11 +185,17 @@ def _open_version(folder: Folder, version: Version, verify: bool) -> Store:
         raise _gone(version) from None
     if isinstance(handle, str):
         from weightstore.store._open import open as open_store
+        from weightstore.store._open import open_onto_base
 
+        lazy = holding is not None and fmt.name == delta_format.FORMAT_NAME
         try:
-            return own_record(open_store(handle, verify=verify), version)
+            store = own_record(open_onto_base(handle, held=holding) if lazy else open_store(handle, verify=verify),
+                               version)
         except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
             raise _gone_or(exc, folder, version) from None
+        if not lazy:
+            return store
+        return Store(cast(Reader, _RemovedIsGone(store._reader, folder, version)), version.path, verify, store.format)
     try:
         reader = _RemovedIsGone(by_saved_keys(fmt.open_reader(handle, version.path)), folder, version)
         return own_record(Store(cast(Reader, reader), version.path, verify), version)
@@ -224,9 +247,15 @@ def _gone_or(missing: FileNotFoundError, folder: Folder, version: Version) -> Ex
 
 
 class _RemovedIsGone:
-    """A remote version's reader: a file removed mid-read (pruned under a reader that lagged
-    more than ``keep`` publishes; an object store cannot pin it) raises :class:`VersionGoneError`,
-    the error that tells a reader to read ``LATEST`` again (see :func:`_gone_or`)."""
+    """A version's reader that may open files after the version was found: a remote one (an
+    object store cannot pin it), or a local delta version pinned down to a version its reader
+    holds (:meth:`Version.pin`), whose lower bases are opened when first read. A file removed
+    mid-read (pruned under a reader that lagged more than ``keep`` publishes) raises
+    :class:`VersionGoneError`, the error that tells a reader to read ``LATEST`` again (see
+    :func:`_gone_or`); so does a base of its chain found missing once the version's own file
+    is gone too: retention removes the newest first and never a base a kept version needs, so
+    that version was pruned, not damaged (a base removed by hand under a version still there
+    stays the :class:`FormatError` naming it)."""
 
     def __init__(self, reader: Reader, folder: Folder, version: Version):
         self._reader, self._folder, self._version = reader, folder, version
@@ -243,7 +272,19 @@ class _RemovedIsGone:
                 raise
             except FileNotFoundError as exc:
                 raise _gone_or(exc, self._folder, self._version) from None
+            except FormatError:
+                if _pruned(self._folder, self._version):
+                    raise _gone(self._version) from None
+                raise
         return gone_when_removed
+
+
+def _pruned(folder: Folder, version: Version) -> bool:
+    """Whether ``version``'s file is gone from ``folder``; ``False`` where the look fails."""
+    try:
+        return folder.tag(version.path.rsplit("/", 1)[-1]) is None
+    except (WeightStoreError, OSError):
+        return False
 
 
 def _gone(version: Version) -> VersionGoneError:
