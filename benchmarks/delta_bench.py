@@ -414,10 +414,12 @@ def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[lis
     ``tensors`` fp32 tensors of ``elements``, one element of one of them changed per step (a
     chain that deep must stay under a full version's bytes). The ``ws`` commands run as the
     real command (a fresh process each: ``ws --version`` times its start-up), each asserted to
-    succeed (``ws diff``: to find the change); the rest in this process. A follower (a torch module, ``deltas=True``) starts at the middle of the chain and
-    catches up to its head; a fresh one starts at the head; the last publish is timed remembering
-    its base (``keep=5``, the default: it prunes nothing, each version is needed) and, on a copy
-    of the folder, reading it back."""
+    succeed (``ws diff``: to find the change); the rest in this process. A follower (a torch
+    module, ``deltas=True``) starts at the middle of the chain and catches up to the version below
+    its head, then to its head (one version: what a follower that keeps up pays each version); a
+    fresh one starts at the head; the last publish is timed remembering its base (``keep=5``, the
+    default: it prunes nothing, each version is needed) and, on a copy of the folder, reading it
+    back."""
     import shutil
     import subprocess
     import sys
@@ -462,12 +464,14 @@ def depth_costs(depth: int, tensors: int = 16, elements: int = 4096) -> list[lis
             publish(folder, step, delta)
         saved = {key: value.copy() for key, value in weights.items()}
         shutil.copytree(folder, os.path.join(root, "copy"))
+        timed(f"follower catching up {head - 1 - middle} versions", lambda: (follower.start(), follower.wait(
+            head - 1, timeout=600), follower.stop()))
         timed(f"ws.publish onto depth {depth - 1} (base remembered, keep=5)", lambda: publish(folder, head, delta, 5))
         weights.update(saved)
         timed(f"ws.publish onto depth {depth - 1} (base read back)", lambda: publish(
             os.path.join(root, "copy"), head, ws.Delta(anchor_every=depth + 1, remember=False)))
-        timed(f"follower catching up {head - middle} versions", lambda: (follower.start(), follower.wait(
-            head, timeout=600), follower.stop()))
+        timed("follower catching up 1 version", lambda: (follower.start(), follower.wait(head, timeout=600),
+                                                         follower.stop()))
         timed("follower starting fresh", lambda: (fresh := Follower(module(), folder, poll=0.01, deltas=True).start(),
                                                    fresh.wait(head, timeout=600), fresh.stop()))
         top = os.path.join(folder, f"step-{head:012d}.wsdelta")

@@ -22,8 +22,9 @@ not match, a file pruned mid-read) fails while staging, before serving is held a
 **Delta versions** (:class:`weightstore.Delta`; a sharded version's delta members alike, for
 the tensors written whole and the regions of parts) are staged by applying each delta onto a
 copy of the bytes of the version the follower holds (of a region, the copies of the held regions
-its writer's piece lies across), so only the deltas published since are fetched,
-verified against the digests their publisher recorded; when that would move more bytes than
+its writer's piece lies across), so only the deltas published since are fetched (and
+opened: a local version is pinned down to the one held, not to its anchor), verified against
+the digests their publisher recorded; when that would move more bytes than
 reading the newest anchor and the deltas after it (what a fresh reader moves), or the held
 version is not in the new one's chain (it missed an anchor), or the chain fails, the tensors are
 read from the newest anchor and its chain. The rebuilt tensors are handed to the framework
