@@ -606,6 +606,18 @@ def test_a_publish_waiting_on_a_stopped_publishers_lock_says_whose_it_waits_for(
     assert_whole(ws.load(ws.latest(tmp_path)), 5)
 
 
+@pytest.mark.parametrize("word", ["tf-checkpoint", "keras-preset", "keras", "weightstore-delta"])
+def test_a_format_versions_are_never_written_in_is_refused_at_the_call(tmp_path, word):
+    """``format="tf-checkpoint"`` (a TF user's guess) died on a bare IndexError in ws.publish, and
+    a BackgroundPublisher took it and failed on its thread; ``"keras"`` said how ``ws import``
+    writes an archive. Both name what a version is, before anything is written."""
+    with pytest.raises(ws.FormatError, match=f"a version is an npz, safetensors or hdf5 file; format '{word}'"):
+        ws.publish(tmp_path / "run", weights_at(1), step=1, format=word)
+    with pytest.raises(ws.FormatError, match="a version is an npz, safetensors or hdf5 file"):
+        ws.BackgroundPublisher(tmp_path / "run", format=word)
+    assert not (tmp_path / "run").exists()
+
+
 ANOTHER_USERS_LOCK = textwrap.dedent("""
     import sys
 
