@@ -871,6 +871,23 @@ def test_a_folder_of_versions_given_as_a_file_names_its_latest_version(store, tm
     assert verified.exit_code == 1 and "LATEST is a FIFO" in verified.stdout, verified.output
 
 
+def test_a_folders_latest_given_as_a_file_names_the_version_it_points_to(store, tmp_path):
+    """``ws ls run/LATEST``, a new user's first try at the newest version: it said "not a
+    weightstore file (not npz, HDF5 or safetensors)" of a file weightstore wrote. It names the
+    version LATEST points to (or, where the pointer is longer than the bytes looked at, where to
+    look), in Python as in ``ws``."""
+    run_folder = tmp_path / "run"
+    ws.publish(run_folder, ws.load(store), step=3)
+    latest = ws.latest(run_folder).path
+    for args in (["ls", run_folder / "LATEST"], ["export", run_folder / "LATEST", "-o", tmp_path / "o.npz"]):
+        one_error_line(run(*args), "run/LATEST: is a versioned folder's LATEST pointer, not a weight file",
+                       f"it names {latest}, the version to read")
+    one_error_line(run("diff", run_folder / "LATEST", store), "LATEST pointer", status=2)
+    ws.publish(run_folder, ws.load(store), step=4, metadata={"note": "x" * 1000})
+    with pytest.raises(ws.FormatError, match="LATEST pointer, not a weight file; name one of its step-"):
+        ws.load(run_folder / "LATEST")
+
+
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
     bomb = hostile_keras(tmp_path / "bomb.keras", b"\0" * (1 << 20), declared=0xF000_0000)
     one_error_line(run("ls", bomb), "bomb.keras: model.weights.h5 declares 4026531840 bytes", "zip bomb")

@@ -320,6 +320,18 @@ def test_a_sharded_version_whose_latest_records_a_retried_commits_later_time_rea
                 ws.load(ws.latest(folder))
 
 
+@pytest.mark.parametrize("word", ["tf-checkpoint", "weightstore-delta"])
+def test_a_member_format_no_member_is_written_in_is_refused_before_anything_is_written(tmp_path, word):
+    """``format="tf-checkpoint"`` (no suffix) died on a bare IndexError in both calls, and
+    ``publish_together`` took any format: it claimed attempt folders, then failed writing a member."""
+    for call in (lambda: ws.publish_shard(tmp_path / "run", pieces_of(0), step=1, rank=0, world=1, attempt=0,
+                                          format=word),
+                 lambda: shards.publish_together(tmp_path / "run", pieces_of(0), step=1, rank=0, world=1, format=word)):
+        with pytest.raises(ValueError, match=f"members are safetensors, npz or hdf5 files; format='{word}'"):
+            call()
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_corrupt_block_is_refused_naming_the_key(tmp_path):
     folder = tmp_path / "run"
     a = np.arange(600_000, dtype=np.float32).reshape(1000, 600)

@@ -606,6 +606,57 @@ def test_a_publish_waiting_on_a_stopped_publishers_lock_says_whose_it_waits_for(
     assert_whole(ws.load(ws.latest(tmp_path)), 5)
 
 
+@pytest.mark.parametrize("word", ["tf-checkpoint", "keras-preset", "keras", "weightstore-delta"])
+def test_a_format_versions_are_never_written_in_is_refused_at_the_call(tmp_path, word):
+    """``format="tf-checkpoint"`` (a TF user's guess) died on a bare IndexError in ws.publish, and
+    a BackgroundPublisher took it and failed on its thread; ``"keras"`` said how ``ws import``
+    writes an archive. Both name what a version is, before anything is written."""
+    with pytest.raises(ws.FormatError, match=f"a version is an npz, safetensors or hdf5 file; format '{word}'"):
+        ws.publish(tmp_path / "run", weights_at(1), step=1, format=word)
+    with pytest.raises(ws.FormatError, match="a version is an npz, safetensors or hdf5 file"):
+        ws.BackgroundPublisher(tmp_path / "run", format=word)
+    assert not (tmp_path / "run").exists()
+
+
+ANOTHER_USERS_LOCK = textwrap.dedent("""
+    import sys
+
+    import numpy as np
+
+    import weightstore as ws
+
+    print(ws.publish(sys.argv[1], {"w": np.ones(2, np.float32)}, step=2).step)
+""")
+
+
+def test_a_publish_into_a_folder_whose_lock_file_another_user_made_takes_the_lock_read_only(tmp_path):
+    """Two users who both write a folder (a run restarted by a colleague): the first one's
+    ``.publish.lock`` is 0644, which the second may not open for writing, and the publish died on a
+    bare PermissionError. flock needs no write access: the lock is taken all the same."""
+    ws.publish(tmp_path, {"w": np.zeros(2, np.float32)}, step=1)
+    (tmp_path / ".publish.lock").chmod(0o444)  # as a file of another user's is to this one
+    command = [sys.executable, "-c", ANOTHER_USERS_LOCK, str(tmp_path)]
+    if os.geteuid() == 0:  # root writes any file; without the capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0 and result.stdout.split() == ["2"], result.stderr
+    assert ws.latest(tmp_path).step == 2
+
+
+def test_a_publish_whose_lock_cannot_be_opened_is_a_write_error_naming_the_folder(tmp_path):
+    """A lock file the system will not open (a read-only file system, here a folder squatting on
+    the name) was a bare OSError out of ws.publish, which no ``except WeightStoreError`` catches."""
+    ws.publish(tmp_path, {"w": np.zeros(2, np.float32)}, step=1)
+    (tmp_path / ".publish.lock").unlink()
+    (tmp_path / ".publish.lock").mkdir()
+    with pytest.raises(ws.WriteError, match=re.escape(f"{tmp_path}: cannot be locked (.publish.lock: Is a directory)")):
+        ws.publish(tmp_path, {"w": np.ones(2, np.float32)}, step=2)
+    assert ws.latest(tmp_path).step == 1
+
+
 @pytest.mark.parametrize("step", [3, 2], ids=["a later step", "the step the other writer published"])
 def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog,
                                                                                                    step):

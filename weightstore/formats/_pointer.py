@@ -9,6 +9,7 @@ the version to read instead of saying "no TF checkpoint". Version files are name
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -72,6 +73,21 @@ def published_folder_message(folder: str, latest: str | None, held_by: str | Non
     example = f"such as LATEST's {where}" if latest else "one of its step-* files"
     return (f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
             f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))")
+
+
+def refuse_pointer(head: bytes, location: str) -> None:
+    """Raise :class:`FormatError` if ``head``, the first bytes of the file at ``location`` given
+    where a weight file was expected, are a ``LATEST``'s: a user who means a folder's newest
+    version reaches for its ``LATEST`` first, and "not a weightstore file" told them nothing of
+    the version it names. ``head`` may end before the pointer does (long metadata): then no
+    version is named, only where to look."""
+    if f'"format": "{POINTER_FORMAT}"'.encode() not in head:
+        return
+    folder = posixpath.dirname(location) or "."
+    latest = latest_name(head)
+    names = f"it names {folder}/{latest}, the version to read" if latest else "name one of its step-* files"
+    raise FormatError(f"is a versioned folder's {LATEST} pointer, not a weight file; {names} (ws versions "
+                      f"{folder} lists them; in Python: ws.load(ws.latest(folder)))")
 
 
 def latest_name(data: bytes) -> str | None:

@@ -411,13 +411,18 @@ class LocalFolder(Folder):
         if fcntl is None:  # pragma: no cover - Windows: no advisory lock
             yield
             return
+        path, no_link = self.root / ".publish.lock", getattr(os, "O_NOFOLLOW", 0)
         try:  # never through a link planted at the name: it would create a file wherever it points
-            fd = os.open(self.root / ".publish.lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | no_link, 0o644)
+            except PermissionError:  # another user's lock file (0644) in a folder both write: flock needs no write
+                fd = os.open(path, os.O_RDONLY | no_link)
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise TargetError("holds .publish.lock as a symbolic link; a versioned folder's files are never written "
-                              "through links: remove it", path=self.where) from None
+            if exc.errno == errno.ELOOP:
+                raise TargetError("holds .publish.lock as a symbolic link; a versioned folder's files are never "
+                                  "written through links: remove it", path=self.where) from None
+            raise WriteError(exc.errno or 0, f"cannot be locked (.publish.lock: {exc.strerror or exc})",
+                             path=self.where) from None
         try:
             _take_lock(fd, self.where)
             yield

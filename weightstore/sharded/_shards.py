@@ -242,11 +242,7 @@ def publish_shard(
     checked_count("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
-    fmt = format_named(format)
-    suffix = fmt.suffixes[0]
-    if suffix not in MEMBER_SUFFIXES:
-        raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
-                         "supported")
+    fmt = _member_format(format)
     if attempt is not None:
         _check_ids(step=step, attempt=attempt)  # before meeting anyone
     target = folder_for(folder, storage_options)
@@ -269,6 +265,17 @@ def publish_shard(
         if meeting is not None and rank:
             meeting.give_up(f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _member_format(format: str) -> Format:  # noqa: A002
+    """The format named ``format``, refused (``ValueError``) unless members are written in it: a
+    format with no suffix (``tf-checkpoint``) failed on an ``IndexError``, and ``publish_together``
+    took any format, a delta's too."""
+    fmt = format_named(format)
+    if not fmt.suffixes or fmt.suffixes[0] not in MEMBER_SUFFIXES:
+        raise ValueError(f"a sharded version's members are safetensors, npz or hdf5 files; format={format!r} is not "
+                         "supported")
+    return fmt
 
 
 def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: int, world: int, attempt: int,
@@ -559,7 +566,7 @@ def publish_together(
     checked_count("rank", rank)
     if rank >= world:
         raise ValueError(f"rank {rank} is not below world {world}")
-    fmt = format_named(format)
+    fmt = _member_format(format)
     planner = as_delta(delta)
     target = folder_for(folder, storage_options)
     channel = cluster.channel()

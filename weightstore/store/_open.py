@@ -48,7 +48,7 @@ from weightstore.formats import (
     sniff,
 )
 from weightstore.formats._foreign import HEAD_BYTES, refuse_pickle
-from weightstore.formats._pointer import LATEST, latest_name, published_folder_message
+from weightstore.formats._pointer import LATEST, latest_name, published_folder_message, refuse_pointer
 from weightstore.formats._renamed import RenamedReader, names_by_key, said_torch
 from weightstore.io.files import open_regular, unreadable
 from weightstore.io.location import service
@@ -476,7 +476,7 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
         sniffed = _head(source, location) if fmt is None else None
         if sniffed is not None:
             with naming(path=location):
-                fmt = _sniffed(sniffed)
+                fmt = _sniffed(sniffed, location)
 
         def head() -> bytes:
             """The first bytes, for the pickle and misnamed checks of a file its reader refused:
@@ -509,13 +509,15 @@ def _open_file(place: Place, fmt: Format | None, verify: bool, mmap: bool, *, is
         raise
 
 
-def _sniffed(head: bytes) -> Format:
+def _sniffed(head: bytes, location: str) -> Format:
     """The format whose magic ``head`` matches, for a name whose suffix says nothing; a pickle
-    no format's magic matches is refused as one (:func:`refuse_pickle`)."""
+    no format's magic matches is refused as one (:func:`refuse_pickle`), a versioned folder's
+    ``LATEST`` as the pointer it is (:func:`refuse_pointer`)."""
     try:
         return sniff(head)
     except WeightStoreError:
         refuse_pickle(head)
+        refuse_pointer(head, location)
         raise
 
 

@@ -83,11 +83,10 @@ from weightstore.core._exiting import finish_before_exit
 from weightstore.core._forks import in_child
 from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
-from weightstore.formats import format_named
 from weightstore.formats._pointer import LATEST
 from weightstore.io.location import connection_failure, location_of, service_answer
 from weightstore.store._save import checked_metadata
-from weightstore.sync._checks import checked_keep, checked_seconds, checked_step
+from weightstore.sync._checks import checked_format, checked_keep, checked_seconds, checked_step
 from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._folder import versions_folder
@@ -152,7 +151,7 @@ class BackgroundPublisher:
         delta: bool | Delta = False,
     ):
         keep = checked_keep(keep)
-        format_named(format)  # an unknown format fails here, not on the first background publish
+        checked_format(format)  # an unknown format fails here, not on the first background publish
         #: the folder as its errors name it (a folder that is no path, None or a file object, fails here too)
         self._where = location_of(folder, reading=False).text.rstrip("/")
         self.folder = folder

@@ -17,8 +17,10 @@ import numpy as np
 from weightstore.core.limits import FILE_NAME_BYTES, MAX_POINTER_BYTES
 from weightstore.core.manifest import utc_now
 from weightstore.errors import (
+    FormatError,
     SizeLimitError,
 )
+from weightstore.formats import Format, format_named
 from weightstore.formats._pointer import pointer_bytes
 from weightstore.io.files import TEMPORARY_EXTRA
 from weightstore.store._save import checked_metadata
@@ -47,6 +49,17 @@ def checked_step(step: Any) -> int:
         raise ValueError(f"step must have at most {_MAX_STEP_DIGITS} digits, or its file names would be longer than "
                          f"the {FILE_NAME_BYTES} bytes a file system allows; step {str(number)[:20]}… is too large")
     return number
+
+
+def checked_format(format: str) -> Format:  # noqa: A002
+    """The format named ``format``, refused (:class:`FormatError`) unless a save writes it: a
+    version is one npz, safetensors or HDF5 file. ``"tf-checkpoint"`` failed on an
+    ``IndexError``, and ``"keras"`` said how ``ws import`` writes an archive."""
+    fmt = format_named(format)
+    if not fmt.writes:
+        raise FormatError(f"a version is an npz, safetensors or hdf5 file; format {format!r} is read, never written "
+                          "as one")
+    return fmt
 
 
 def checked_pointer_metadata(metadata: Mapping[str, Any] | None, step: int, name: str, where: str) -> dict[str, Any]:

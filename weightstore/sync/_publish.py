@@ -65,7 +65,6 @@ from weightstore.core.manifest import utc_now
 from weightstore.core.names import TORCH, is_state_dict, keys_of_torch_names
 from weightstore.errors import PublishError, StoreExistsError, WeightStoreError, naming
 from weightstore.formats import delta as delta_format
-from weightstore.formats import format_named
 from weightstore.formats._pointer import (
     LATEST,
     pointer_bytes,
@@ -74,7 +73,7 @@ from weightstore.io.commit import Commit
 from weightstore.io.folders import Folder, LocalFolder, folder_for, same_file
 from weightstore.store._save import CheckedWeights, file_names, write_file
 from weightstore.sync import _stages as stages
-from weightstore.sync._checks import checked_keep, checked_pointer_metadata, checked_step
+from weightstore.sync._checks import checked_format, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta, full_weights
 from weightstore.sync._folder import INTENT, FolderState, intent_bytes, kept_by_latest, prune, write_small
@@ -141,7 +140,7 @@ def publish(
         >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
     step, keep, planner = checked_step(step), checked_keep(keep), as_delta(delta)
-    fmt = format_named(format)
+    fmt = checked_format(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
     stored_names: dict[str, str] = {}  # a state_dict's own names, which load_state_dict takes from the file
