@@ -380,20 +380,20 @@ def save_phases(size_mb: float, repeat: int = 5) -> str:
     per GB (median of ``repeat``): the strips' copy, their blocks' CRC-32s, the bands' change
     digests (CRC-64, what is saved now) against their BLAKE3 (before), and the write with and
     without fsync. What is left of a save's CPU is the table, done-record and index."""
+    from weightstore.core.manifest import c_copy
     from weightstore.formats._sharded_index import band_crc64s, band_digests, block_crcs, piece_cut, tile_bytes
 
     pieces = [piece.array.copy() for piece in _pieces(_model(size_mb), 1, 4).values()]
     gb = sum(piece.nbytes for piece in pieces) / (1 << 30)
     columns, rows = piece_cut(pieces[0].shape, 4, tile_bytes(int(gb * (1 << 30))))
     width = columns or pieces[0].shape[1]
-    strips = [np.ascontiguousarray(piece[:, at : at + width]) for piece in pieces
-              for at in range(0, piece.shape[1], width)]
+    strips = [c_copy(piece[:, at : at + width]) for piece in pieces for at in range(0, piece.shape[1], width)]
     root = tempfile.mkdtemp(prefix="weightstore-shard-phases-")
 
     def copy() -> None:  # one strip at a time, let go once written, as the save copies them
         for piece in pieces:
             for at in range(0, piece.shape[1], width):
-                np.ascontiguousarray(piece[:, at : at + width])
+                c_copy(piece[:, at : at + width])
 
     def write(durable: bool) -> None:
         with open(f"{root}/member", "wb", buffering=0) as file:

@@ -174,6 +174,8 @@ def test_every_writer_layout_is_a_valid_file(tmp_path, monkeypatch, hold, slack,
     ws.save(path, weights, metadata={"note": "x" * 5000})
     length, header = header_of(path)
     assert (8 + length) % 64 == 0
+    if hold == 64 and slack:  # streamed into the room left: from a page-cache folio's edge
+        assert (8 + length) % (64 << 10) == 0
     for key, value in weights.items():
         assert header[key]["data_offsets"][0] % value.dtype.itemsize == 0, key
     loaded = ws.load(path)

@@ -192,13 +192,39 @@ def to_storage(array: np.ndarray, key: str = "") -> tuple[str, np.ndarray]:
     """``(logical dtype name, C-contiguous little-endian array in storage dtype)``."""
     array = np.asarray(array)
     name = _STORED_AS_IS.get(array.dtype)
-    if name is not None and array.flags.c_contiguous:  # the usual case: nothing to convert
-        return name, array
+    if name is not None:
+        return name, array if array.flags.c_contiguous else c_copy(array)  # as it is, or a copy of its bytes
     name = dtype_name(array.dtype, key)
     target = storage_dtype(name)
     if name in ML_DTYPES:
-        return name, np.asarray(array, order="C").view(target)
+        return name, c_copy(array).view(target)
     return name, np.asarray(array, dtype=target, order="C")
+
+
+#: runs of at least this many contiguous bytes are copied whole (:func:`c_copy`); below, numpy's
+#: typed copy is as fast
+_RUN_COPY_BYTES = 32
+
+
+def c_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` C-contiguous (itself if it is), its bytes copied as they are.
+
+    An array whose trailing axes are contiguous (a column strip of a piece, a slice of rows
+    and columns) is copied as one run of bytes per index of its leading axes, numpy copying
+    each run as one void element: its typed copy loops over every row of the innermost axis,
+    which made a sharded member's copy of its 256-byte-wide column strips 0.19 CPU-s/GB where
+    the runs take 0.12 (a contiguous copy: 0.06). Anything else (a transposed array) goes
+    through numpy's typed copy."""
+    if array.flags.c_contiguous:
+        return array
+    axis, run = array.ndim, array.itemsize
+    while axis and array.strides[axis - 1] == run:
+        run *= array.shape[axis - 1]
+        axis -= 1
+    if axis == array.ndim or run < _RUN_COPY_BYTES:
+        return np.ascontiguousarray(array)
+    runs = array.view(np.uint8).reshape(*array.shape[:axis], run).view(np.dtype((np.void, run)))
+    return np.ascontiguousarray(runs).view(array.dtype).reshape(array.shape)
 
 
 #: numeric dtypes already in storage form (little-endian, not ml_dtypes) -> their names

@@ -106,6 +106,11 @@ _HOLD_BYTES = 64 << 20
 #: room left for the header beyond twice the estimate, once streaming (spaces: cheap to write and parse)
 _HEADER_SLACK = 64 << 10
 _MOVE_CHUNK = 16 << 20
+#: where a streamed file's data starts, a multiple of this (the header's room padded, under 0.1%
+#: of the file): so its writes begin on page-cache folio edges. Linux (6.18, ext4) keeps written
+#: pages in folios as large as the write's offset is aligned; a sharded member's 512 KiB column
+#: strips written from an offset of 64 bytes took 0.37-0.40 CPU-s/GB, from 64 KiB 0.33-0.34
+_STREAMED_ALIGNMENT = 64 << 10
 #: payloads at least this big go to the kernel straight from the caller's memory; smaller ones
 #: are gathered first (a write call per 1 KB tensor would cost more than its bytes). Python's
 #: own buffered file copied every chunk of up to its buffer's size into that buffer first:
@@ -278,7 +283,8 @@ class SafetensorsWriter:
         if self._plan is None:
             self._plan = self._planned() if self._planned is not None else []
         described = [(info.key, len(info.shape)) for info in self._plan] or [(t.key, len(t.shape)) for t in self._tensors]
-        self._data_start = _aligned(_LENGTH.size + 2 * _header_estimate(described) + _HEADER_SLACK)
+        room = _LENGTH.size + 2 * _header_estimate(described) + _HEADER_SLACK
+        self._data_start = room + (-room % _STREAMED_ALIGNMENT)
         self._flush()
         self._file.seek(self._data_start)
         held, self._held = self._held, []

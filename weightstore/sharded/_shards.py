@@ -60,7 +60,7 @@ from weightstore.core.limits import (
     MAX_PIECES_PER_KEY,
     MAX_V1_INDEX_BYTES,
 )
-from weightstore.core.manifest import crc32, from_storage, logical_dtype, to_storage
+from weightstore.core.manifest import c_copy, crc32, from_storage, logical_dtype, to_storage
 from weightstore.errors import (
     FormatError,
     PieceError,
@@ -303,7 +303,7 @@ def _write_shard(target: Folder, pieces: Mapping[str, Any], *, step: int, rank: 
     # a delta's bytes of each stored tensor (a strip's copy, contiguous), made only for a delta:
     # a full member's strips are copied as they are written
     stored = {} if delta is None else {
-        item.stored: Stored(item.dtype, item.data.shape, item.data.reshape(-1).view(np.uint8)
+        item.stored: Stored(item.dtype, item.data.shape, c_copy(item.data).reshape(-1).view(np.uint8)
                             if item.data.size else np.empty(0, np.uint8)) for item in listed}
     base = None if delta is None else member_delta.base_version(delta, target, step, world)
     plan = None if delta is None or base is None else member_delta.plan_member(delta, target, base, rank, step,
