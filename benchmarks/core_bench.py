@@ -16,6 +16,7 @@ gets a ``+fsync`` row.
     python -m benchmarks.core_bench --size-mb 128   # quick
     python -m benchmarks.core_bench --saves --size-mb 256   # durable saves: each format vs its peer, wall and CPU
     python -m benchmarks.core_bench --saves --busy          # the same with a CPU-bound neighbour on the other core
+    python -m benchmarks.core_bench --saves --size-mb 4096 --repeat 1 --formats hdf5   # one format (and the floor)
     python -m benchmarks.core_bench --scale         # save and load cost, 64 MB to 4 GB, 100 to 100,000 tensors
     python -m benchmarks.core_bench --cold-loads --size-mb 256   # loads from the disk, each against its peer
 """
@@ -333,6 +334,8 @@ def compression_case(folder: str, case: str, repeat: int) -> dict:
 
 # -- durable saves, each format against its own peer ---------------------------------
 DURABLE = [("ws-npz", "np+fsync"), ("ws-st", "safetensors+fsync"), ("ws-h5", "h5py+fsync")]
+#: ``--formats`` names -> the pair of :data:`DURABLE` each stands for
+DURABLE_FORMATS = {"npz": DURABLE[0], "safetensors": DURABLE[1], "hdf5": DURABLE[2]}
 DURABLE_LABELS = {"ws-npz": "weightstore npz", "np+fsync": "np.savez + fsync", "ws-st": "weightstore safetensors",
                   "safetensors+fsync": "safetensors save_file + fsync", "ws-h5": "weightstore HDF5",
                   "h5py+fsync": "h5py + fsync", "raw+fsync": "floor: raw write + fsync"}
@@ -362,25 +365,29 @@ def _medians_in_turns(cases: list[str], rounds: int, args: list[str],
             for what, by_case in runs.items()}
 
 
-def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout, busy: bool = False) -> dict:
-    """Every format's durable save against its own peer's and the raw write+fsync floor: one
-    process per case, the cases taking turns for ``rounds`` rounds (load from others falls on
-    all alike), medians over every timed run of a case, wall and CPU seconds. ``busy``: with a
-    CPU-bound neighbour on the other core (:func:`~benchmarks.common.busy_neighbour`)."""
+def save_bench(size_mb: float, repeat: int, rounds: int = 3, out=sys.stdout, busy: bool = False,
+               formats: tuple[str, ...] = tuple(DURABLE_FORMATS)) -> dict:
+    """Every format's durable save (of ``formats``) against its own peer's and the raw
+    write+fsync floor: one process per case, the cases taking turns for ``rounds`` rounds (load
+    from others falls on all alike), medians over every timed run of a case, wall and CPU
+    seconds. ``busy``: with a CPU-bound neighbour on the other core
+    (:func:`~benchmarks.common.busy_neighbour`). At 4 GB a round of all three takes minutes;
+    one format's pair and the floor take a third of that."""
+    pairs = [DURABLE_FORMATS[name] for name in formats]
     say = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     folder = tempfile.mkdtemp(prefix="ws-saves-", dir=os.environ.get("WS_BENCH_DIR"))
     try:
         facts = prepare(folder, size_mb)
         say(f"Durable saves of {facts['bytes'] / MB:,.0f} MB ({facts['arrays']} float32 arrays){', busy' if busy else ''}: "
             f"{rounds} rounds of one process per case, {repeat} saves each, medians; {machine_line()}")
-        cases = [f"save:{c}" for pair in DURABLE for c in pair] + ["save:raw+fsync"]
+        cases = [f"save:{c}" for pair in pairs for c in pair] + ["save:raw+fsync"]
         with busy_neighbour(busy):
             both = _medians_in_turns(cases, rounds, ["--dir", folder, "--repeat", str(repeat)],  # one large file
                                      after=lambda case: os.unlink(os.path.join(folder, FILES[case[5:].partition("+")[0]])))
         m, cpu = both["times"], both["cpus"]
         floor, gb = m["raw+fsync"], facts["bytes"] / (1 << 30)
         rows, checks = [], []
-        for own, peer in DURABLE:
+        for own, peer in pairs:
             for name in (own, peer):
                 rows.append([DURABLE_LABELS[name], fmt_seconds(m[name]), fmt_ratio(m[name] / m[peer]),
                              fmt_ratio(m[name] / floor), f"{facts['bytes'] / MB / m[name]:,.0f}",
@@ -650,6 +657,8 @@ def main(argv=None) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the folder")
     parser.add_argument("--saves", action="store_true", help="only the durable saves, each format against its peer")
     parser.add_argument("--busy", action="store_true", help="--saves: with a CPU-bound neighbour on the other core")
+    parser.add_argument("--formats", default=",".join(DURABLE_FORMATS),
+                        help="--saves: the formats, comma-separated (default npz,safetensors,hdf5)")
     parser.add_argument("--rounds", type=int, default=3, help="--saves, --cold-loads: rounds of one process per case (default 3)")
     parser.add_argument("--scale", action="store_true",
                         help="only the scale rows: npz save and load from 64 MB to 4 GB and 100 to 100,000 tensors")
@@ -670,7 +679,10 @@ def main(argv=None) -> None:
         scale_bench(tuple(float(x) for x in args.sizes_mb.split(",")), tuple(int(x) for x in args.counts.split(",")),
                     args.repeat)
     elif args.saves:
-        save_bench(args.size_mb, args.repeat, args.rounds, busy=args.busy)
+        unknown = set(args.formats.split(",")) - DURABLE_FORMATS.keys()
+        if unknown:
+            parser.error(f"--formats: no format {', '.join(sorted(unknown))}; choose from {', '.join(DURABLE_FORMATS)}")
+        save_bench(args.size_mb, args.repeat, args.rounds, busy=args.busy, formats=tuple(args.formats.split(",")))
     else:
         bench(args.size_mb, args.repeat, args.dir, args.keep)
 

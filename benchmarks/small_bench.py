@@ -6,7 +6,9 @@ same weights for every case, files in the page cache; medians of ``repeat`` runs
 compared with the safetensors call a user would make instead; ``ws.save`` is durable (fsync
 before the rename), so the save row is also compared with ``save_file`` followed by an fsync, and
 with the floor of any durable replace: ``save_file`` to a temporary, fsync, rename over the
-file, fsync of the folder (two fsyncs, as ``ws.save`` does).
+file, fsync of the folder (two fsyncs, as ``ws.save`` does). ``save_file`` itself writes a new
+file and renames it over the target (strace), so every case makes a new file per save; the
+second fsync, of the folder, is what only the floor and ``ws.save`` pay.
 
     python -m benchmarks.small_bench                       # 50,000 x 256 float32, 5 runs
     python -m benchmarks.small_bench --tensors 5000 --repeat 3
