@@ -1631,6 +1631,20 @@ def test_shuffle_compression_from_the_command_line(tmp_path):
         assert "dense/kernel" not in plain.files
 
 
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_compress_and_shuffle_together_are_a_usage_error(tmp_path, command):
+    """Two ways of compressing: ``--shuffle`` silently won over ``--compress``, so a user who
+    gave both for a file plain numpy reads got one it cannot. Refused before anything is read."""
+    source = tmp_path / "m.npz"
+    ws.save(source, {"w": np.ones(4, np.float32)})
+    out = tmp_path / "out.npz"
+    args = [source, out] if command == "convert" else [source, "-o", out]
+    result = run(command, *args, "--compress", "--shuffle", "--json")
+    assert result.exit_code == 2, result.output
+    assert "--compress deflates, --shuffle compresses with zstd" in json.loads(result.stdout)["error"]["message"]
+    assert not out.exists()
+
+
 def test_a_many_line_refusal_prints_as_one_line_its_parts_kept_apart(tmp_path):
     """A layout's refusals (or an assign's sections) are lines in Python; on the command line
     they are one line, each part set off by "; ", never run together. Names of a Keras file
