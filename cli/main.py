@@ -129,7 +129,14 @@ Shuffle = Annotated[bool, typer.Option("--shuffle", help="Compress npz tensors w
 
 
 def _compression(compress: bool, shuffle: bool) -> bool | str:
+    """The ``compress=`` the two flags ask for: one way of compressing, so both at once are a
+    usage error, where ``--shuffle`` silently won over ``--compress``."""
+    if compress and shuffle:
+        raise typer.BadParameter("--compress deflates, --shuffle compresses with zstd: give one of them",
+                                 param_hint="--shuffle")
     return "shuffle" if shuffle else compress
+
+
 Names = Annotated[str | None, typer.Option(
     "--names", metavar="torch|keys", callback=_check_names, help="Name the written tensors as PyTorch's state_dict does (torch: "
                                           "features.0.weight; the default for a source named so) or by their keys "
@@ -213,6 +220,7 @@ def export(
     from weightstore.cli import sources, transfer
 
     _json(as_json)
+    compression = _compression(compress, shuffle)
     if also and not trainable_only:
         raise typer.BadParameter("--also adds to what --trainable-only keeps; give --trainable-only too",
                                  param_hint="--also")
@@ -228,7 +236,7 @@ def export(
     with opening as opened:
         selection = Selection(scope=scope, include=include, exclude=exclude, trainable_only=trainable_only, also=also)
         written = transfer.export(opened, output, selection=selection, mapping=mapping,
-                                  compress=_compression(compress, shuffle), names=names)
+                                  compress=compression, names=names)
     keyed = f", keyed like the model of {opened.keyed_like}" if opened.keyed_like else ""
     _report("export", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                        f"from {opened.kind} {opened.path} to {written.path}{keyed}")
@@ -471,6 +479,7 @@ def convert(
     from weightstore.cli import sources, transfer
 
     _json(as_json)
+    compression = _compression(compress, shuffle)
     from_keras = bool(layout and layout.startswith("keras-to-"))
     if kind and not layout:
         raise typer.BadParameter("says how --layout converts a layer's tensors; without --layout nothing is converted",
@@ -495,7 +504,7 @@ def convert(
             raise typer.BadParameter(f"{unused[0]!r} matches no layer of {a} (its layers: "
                                      f"{named(sorted(scopes))})", param_hint="--kind")
         kinds = {**given, **{scope: k for scope, k in opened.kinds.items() if scope not in given}}
-        written = transfer.convert(opened, b, compress=_compression(compress, shuffle), layout=layout, names=names,
+        written = transfer.convert(opened, b, compress=compression, layout=layout, names=names,
                                      max_shard_size=max_shard_size, kinds=kinds)
     _report("convert", written, opened, f"wrote {count(written.count, 'tensor')} ({human_bytes(written.nbytes)}) "
                                         f"to {written.path}")

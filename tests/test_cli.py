@@ -875,7 +875,8 @@ def test_a_folders_latest_given_as_a_file_names_the_version_it_points_to(store, 
     """``ws ls run/LATEST``, a new user's first try at the newest version: it said "not a
     weightstore file (not npz, HDF5 or safetensors)" of a file weightstore wrote. It names the
     version LATEST points to (or, where the pointer is longer than the bytes looked at, where to
-    look), in Python as in ``ws``."""
+    look), in Python as in ``ws``. The other way, ``ws follow run/LATEST`` (or a version's file)
+    names the folder to give."""
     run_folder = tmp_path / "run"
     ws.publish(run_folder, ws.load(store), step=3)
     latest = ws.latest(run_folder).path
@@ -886,6 +887,13 @@ def test_a_folders_latest_given_as_a_file_names_the_version_it_points_to(store, 
     ws.publish(run_folder, ws.load(store), step=4, metadata={"note": "x" * 1000})
     with pytest.raises(ws.FormatError, match="LATEST pointer, not a weight file; name one of its step-"):
         ws.load(run_folder / "LATEST")
+    for command in ("versions", "follow", "verify", "clean"):  # the other way: a folder's own file for the folder
+        given = run_folder / ("LATEST" if command != "versions" else os.path.basename(latest))
+        if command == "verify":  # verify reads a file as a weight file: the pointer's refusal above
+            one_error_line(run(command, given), "LATEST pointer", status=1)
+            continue
+        one_error_line(run(command, given), "is a file, not a folder of versions; give the folder it is in, "
+                                            f"{run_folder}")
 
 
 def test_a_keras_zip_bomb_is_one_error_line(tmp_path):
@@ -1629,6 +1637,20 @@ def test_shuffle_compression_from_the_command_line(tmp_path):
     assert out.stat().st_size < source.stat().st_size
     with np.load(out) as plain:  # shuffled members are never offered to numpy as arrays
         assert "dense/kernel" not in plain.files
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_compress_and_shuffle_together_are_a_usage_error(tmp_path, command):
+    """Two ways of compressing: ``--shuffle`` silently won over ``--compress``, so a user who
+    gave both for a file plain numpy reads got one it cannot. Refused before anything is read."""
+    source = tmp_path / "m.npz"
+    ws.save(source, {"w": np.ones(4, np.float32)})
+    out = tmp_path / "out.npz"
+    args = [source, out] if command == "convert" else [source, "-o", out]
+    result = run(command, *args, "--compress", "--shuffle", "--json")
+    assert result.exit_code == 2, result.output
+    assert "--compress deflates, --shuffle compresses with zstd" in json.loads(result.stdout)["error"]["message"]
+    assert not out.exists()
 
 
 def test_a_many_line_refusal_prints_as_one_line_its_parts_kept_apart(tmp_path):

@@ -376,7 +376,10 @@ def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = Non
     folder, and a follower would wait for good."""
     source = folder_for(folder, storage_options)
     if os.path.exists(source.where) and not os.path.isdir(source.where):  # a file, a FIFO, a device
-        raise StoreNotFoundError("is a file, not a folder of versions", path=source.where)
+        parent, name = os.path.split(source.where)
+        whose = (f"; give the folder it is in, {parent or '.'}" if name == LATEST or VERSION_NAME.match(name)
+                 else "")  # ws follow run/LATEST: the folder's own files name it
+        raise StoreNotFoundError(f"is a file, not a folder of versions{whose}", path=source.where)
     return source
 
 
