@@ -829,6 +829,33 @@ def test_xor_zstd_rebuilds_every_item_size(dtype, elements, dense):
     assert out.tobytes() == new.tobytes()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex128"])
+@pytest.mark.parametrize("elements", [8191, 65536, 1_300_000])  # no whole words; words; two blocks of fp32
+def test_sparse_changes_found_by_words_or_one_by_one_rebuild_every_item_size(dtype, elements):
+    """The changed elements of a tensor of 16 KiB+ of 1-, 2- or 4-byte items that fill whole
+    words are found among the changed 8-byte words of them: changes side by side in one word,
+    at the first and last element and across a block's edge are each found once, with the XOR
+    of each, as one by one, and a sparse entry of them rebuilds bit-exact."""
+    rng = np.random.default_rng(12)
+    base = (rng.standard_normal(elements) * 20).astype(dtype)
+    new = base.copy()
+    picked = rng.choice(elements, elements // 40, replace=False)
+    new[np.concatenate([picked, [0, 1, 2, 3, 9, elements - 1, (4 << 20) // base.itemsize]]) % elements] += 1
+    raw, held, itemsize = new.view(np.uint8).reshape(-1), base.view(np.uint8).reshape(-1), base.itemsize
+    group = delta_format._group(itemsize, raw.nbytes)
+    assert group == (8 // itemsize if itemsize <= 4 and elements != 8191 else 1)
+    positions, values = delta_format._changes(raw, held, itemsize, group,
+                                              delta_format._changed_mask(raw, held, itemsize * group))
+    changed = (raw.reshape(-1, itemsize) != held.reshape(-1, itemsize)).any(axis=1).nonzero()[0]
+    assert positions.tolist() == changed.tolist()
+    assert values.view(np.uint8).tobytes() == (raw.reshape(-1, itemsize)[changed] ^ held.reshape(-1, itemsize)[changed]
+                                               ).tobytes()
+    encoded = delta_format._sparse(positions, values, itemsize, elements)
+    out = held.copy()
+    delta_format._apply_sparse(memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts)), out, itemsize)
+    assert out.tobytes() == raw.tobytes()
+
+
 def xor_top_parts(w: np.ndarray, new: np.ndarray) -> list[bytes]:
     """``new`` against ``w`` as the dense encoder writes it: table, frame, top record (parts joined)."""
     encoded = delta_format.encode(new.view(np.uint8), w.view(np.uint8), 4, dense=True)
