@@ -198,6 +198,22 @@ def test_retention_keeps_every_base_a_kept_version_needs(tmp_path):
     same_bytes(ws.load(ws.latest(tmp_path / "b")), published[12])
 
 
+def test_a_delta_publisher_prunes_by_the_chain_it_holds_reading_no_head(tmp_path, monkeypatch):
+    """The oldest version retention keeps is in the chain of the delta just published, which
+    its publisher holds: what it needs is the rest of that chain, not read from its head, and
+    the versions past its anchor still go."""
+    publish_steps(tmp_path, 6, delta=ws.Delta(anchor_every=4), keep=2)  # anchors at 1 and 5
+    assert files(tmp_path) == ["step-000000000005.npz", "step-000000000006.wsdelta"]
+    read: list[str] = []
+    real = delta_format.read_head
+    monkeypatch.setattr(delta_format, "read_head", lambda *args, **kwargs: read.append(args[1]) or real(*args, **kwargs))
+    delta = ws.Delta(anchor_every=4)
+    published = publish_steps(tmp_path / "b", 4, delta=delta, keep=2)
+    assert read == [] and delta.last_kind == "delta"
+    assert files(tmp_path / "b") == [f"step-{s:012d}.{'npz' if s == 1 else 'wsdelta'}" for s in range(1, 5)]
+    same_bytes(ws.load(ws.latest(tmp_path / "b")), published[4])
+
+
 def test_follow_yields_delta_versions_whole(tmp_path):
     published = publish_steps(tmp_path, 3, delta=ws.Delta())
     for version in ws.follow(tmp_path, timeout=0):
