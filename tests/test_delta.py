@@ -198,6 +198,22 @@ def test_retention_keeps_every_base_a_kept_version_needs(tmp_path):
     same_bytes(ws.load(ws.latest(tmp_path / "b")), published[12])
 
 
+def test_a_delta_publisher_prunes_by_the_chain_it_holds_reading_no_head(tmp_path, monkeypatch):
+    """The oldest version retention keeps is in the chain of the delta just published, which
+    its publisher holds: what it needs is the rest of that chain, not read from its head, and
+    the versions past its anchor still go."""
+    publish_steps(tmp_path, 6, delta=ws.Delta(anchor_every=4), keep=2)  # anchors at 1 and 5
+    assert files(tmp_path) == ["step-000000000005.npz", "step-000000000006.wsdelta"]
+    read: list[str] = []
+    real = delta_format.read_head
+    monkeypatch.setattr(delta_format, "read_head", lambda *args, **kwargs: read.append(args[1]) or real(*args, **kwargs))
+    delta = ws.Delta(anchor_every=4)
+    published = publish_steps(tmp_path / "b", 4, delta=delta, keep=2)
+    assert read == [] and delta.last_kind == "delta"
+    assert files(tmp_path / "b") == [f"step-{s:012d}.{'npz' if s == 1 else 'wsdelta'}" for s in range(1, 5)]
+    same_bytes(ws.load(ws.latest(tmp_path / "b")), published[4])
+
+
 def test_follow_yields_delta_versions_whole(tmp_path):
     published = publish_steps(tmp_path, 3, delta=ws.Delta())
     for version in ws.follow(tmp_path, timeout=0):
@@ -827,6 +843,33 @@ def test_xor_zstd_rebuilds_every_item_size(dtype, elements, dense):
     delta_format._apply_xor(memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts)), out,
                             delta_format.BLOCK, base.itemsize, top=encoded.codec == "xor-top")
     assert out.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16", "float32", "float64", "complex128"])
+@pytest.mark.parametrize("elements", [8191, 65536, 1_300_000])  # no whole words; words; two blocks of fp32
+def test_sparse_changes_found_by_words_or_one_by_one_rebuild_every_item_size(dtype, elements):
+    """The changed elements of a tensor of 16 KiB+ of 1-, 2- or 4-byte items that fill whole
+    words are found among the changed 8-byte words of them: changes side by side in one word,
+    at the first and last element and across a block's edge are each found once, with the XOR
+    of each, as one by one, and a sparse entry of them rebuilds bit-exact."""
+    rng = np.random.default_rng(12)
+    base = (rng.standard_normal(elements) * 20).astype(dtype)
+    new = base.copy()
+    picked = rng.choice(elements, elements // 40, replace=False)
+    new[np.concatenate([picked, [0, 1, 2, 3, 9, elements - 1, (4 << 20) // base.itemsize]]) % elements] += 1
+    raw, held, itemsize = new.view(np.uint8).reshape(-1), base.view(np.uint8).reshape(-1), base.itemsize
+    group = delta_format._group(itemsize, raw.nbytes)
+    assert group == (8 // itemsize if itemsize <= 4 and elements != 8191 else 1)
+    positions, values = delta_format._changes(raw, held, itemsize, group,
+                                              delta_format._changed_mask(raw, held, itemsize * group))
+    changed = (raw.reshape(-1, itemsize) != held.reshape(-1, itemsize)).any(axis=1).nonzero()[0]
+    assert positions.tolist() == changed.tolist()
+    assert values.view(np.uint8).tobytes() == (raw.reshape(-1, itemsize)[changed] ^ held.reshape(-1, itemsize)[changed]
+                                               ).tobytes()
+    encoded = delta_format._sparse(positions, values, itemsize, elements)
+    out = held.copy()
+    delta_format._apply_sparse(memoryview(b"".join(bytes(memoryview(part)) for part in encoded.parts)), out, itemsize)
+    assert out.tobytes() == raw.tobytes()
 
 
 def xor_top_parts(w: np.ndarray, new: np.ndarray) -> list[bytes]:

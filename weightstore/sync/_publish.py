@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 from weightstore._version import __version__
@@ -184,7 +184,7 @@ def publish(
         try:
             version = commit_version(target, step, name, write_version, metadata, keep,
                                      base=None if plan is None else plan.head.base, new=True, own=still_written,
-                                     chain={} if plan is None else plan.files)
+                                     chain={} if plan is None else plan.files, bases=() if plan is None else plan.head.chain)
         except _BaseMoved as moved:  # nothing written yet: the same weights go whole onto the new LATEST
             _log.warning("%s; it is written as a full version instead", moved)
             plan, name = None, f"step-{step:012d}{fmt.suffixes[0]}"
@@ -212,7 +212,7 @@ class _BaseMoved(PublishError):
 def commit_version(target: Folder, step: int, name: str, write: Callable[[str], str | None],
                    metadata: Mapping[str, Any] | None, keep: int | None, *, base: str | None = None,
                    new: bool = False, own: Callable[[], bool] | None = None,
-                   chain: Mapping[str, object] | None = None) -> Version:
+                   chain: Mapping[str, object] | None = None, bases: Sequence[str] = ()) -> Version:
     """The publish protocol around one version file: check the step, clean what killed publishes
     left, record the intent, ``write(created)`` the file ``name``, replace ``LATEST``, prune.
     ``write`` returns the ``created`` time its file records where that is not the one it was
@@ -231,7 +231,8 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
     :meth:`~weightstore.io.folders.Folder.fingerprint`), which must be unchanged once the folder
     is read: on an object store that listing is the first look at them (the plan's came from
     memory), so an anchor replaced or removed since it was published costs a full version, not
-    deltas that no reader rebuilds.
+    deltas that no reader rebuilds. ``bases``: that delta's chain, its base first down to its
+    anchor, which retention takes the chain of the oldest version it keeps from (:func:`prune`).
     ``new``: ``write`` uploads only where no object has the name (a plain version), so the file
     of this step that a killed publish left is removed first (a sharded index is compared with
     the one there instead). ``own``: whether the file written is still this publish's, asked
@@ -276,7 +277,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
             listed = None  # on object storage, listed anew: the first look at what this publish uploaded
             if isinstance(target, LocalFolder):
                 listed = sorted({*state.versions, (step, name)})
-            prune(target, step, None if keep is None else max(keep, 2), listed)
+            prune(target, step, None if keep is None else max(keep, 2), listed, bases)
             stages.reached("pruned")
         except (WeightStoreError, OSError) as error:
             _log.warning("published step %d to %s; tidying the folder after it failed (%s); the next publish "
