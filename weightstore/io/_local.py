@@ -14,9 +14,12 @@ a cached file stay zero-copy and cost nothing more.
 The kernel reads at most ``max(read_ahead_kb, max_sectors_kb)`` of one advice (Linux's
 ``force_page_cache_ra``), so how the advice is cut depends on the device (:func:`_advice_piece`):
 where its own read-ahead is small (the common 128 KB) the advice goes in 1 MB pieces, each read
-whole; where it is large (8 MB on the VM measured) one advice starts the disk at the head of the
-range and the kernel's read-ahead on the map's faults carries on, which measured faster there
-than advice read whole.
+whole. Where it is large (8 MB on the VMs measured) the kernel's read-ahead on a map's faults
+keeps the disk busy by itself, and a mapped file's stretch is faulted in by the advisor thread
+instead (``MADV_POPULATE_READ``, :func:`_populate`): the disk streams as for a plain mapped
+read, and the reader finds the pages in its map, where it used to fault them in while it
+checksummed them. A cold 256 MB npz read and verified (2 cores, kernel 6.18): 0.16 s and 0.05
+CPU-s, where one advice of the stretch took 0.25 s and 0.10-0.12 (a plain mapped read: 0.14 s).
 
 **The size guard.** Writers replace files by rename, never in place, so a map stays valid for as
 long as any array made from it lives. A file truncated or rewritten *in place* by another tool
@@ -36,7 +39,10 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 from weightstore.core._forks import Pool
+from weightstore.core._heap import populate_read
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.files import open_regular_unbuffered, unreadable
@@ -171,8 +177,12 @@ class _LocalFile:
         start = last if first <= offset <= last else offset  # the stretch goes on, or a new one begins
         end = min(self.size, offset + length + READ_AHEAD)
         if end - start >= _ADVISE_FROM and not self._closed and _CAN_ADVISE:
-            _advise(self._handle.fileno(), start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
+            self._announce(start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
             self._ahead = (first if start == last else start, end)
+
+    def _announce(self, offset: int, length: int, piece: int | None) -> None:
+        """Have the kernel fetch a stretch, from the advisor thread, in advice of ``piece`` bytes."""
+        _advise(self._handle.fileno(), offset, length, piece)
 
     def release(self, offset: int, length: int) -> None:
         pass
@@ -256,6 +266,15 @@ class MappedFile(_LocalFile):
             return memoryview(b"")
         return memoryview(mapping)[offset : offset + length]
 
+    def _announce(self, offset: int, length: int, piece: int | None) -> None:
+        """Where the device reads ahead far by itself (``piece`` None), fault the stretch into the
+        map from the advisor thread (:func:`_populate`), else advise it as an owned file does."""
+        mapping = self.mapping if piece is None and self._window is None and _populates else None
+        if mapping is None:
+            super()._announce(offset, length, piece)
+            return
+        _advisor.submit(_populate, self, np.frombuffer(mapping, np.uint8), self.fileno(), offset, length)
+
     def release(self, offset: int, length: int) -> None:
         """Unmap a range read once and never handed out (compressed bytes): it leaves this
         process's resident memory, the page cache keeps it, a later read maps it again."""
@@ -269,6 +288,29 @@ class MappedFile(_LocalFile):
         if self._map is not None:
             with contextlib.suppress(BufferError):  # arrays handed out still view the map; it closes with the last
                 self._map.close()
+
+
+#: a stretch is populated in pieces of this size, so a closed file stops within one
+_POPULATE_PIECE = 8 << 20
+_populates = True  # False once the kernel refused to populate a map (older than 5.14): advice instead
+
+
+def _populate(source: MappedFile, view: np.ndarray, fileno: int, offset: int, length: int) -> None:
+    """Fault ``offset..offset+length`` of ``source``'s map in (``view`` of it, which keeps the
+    map from being closed meanwhile), piece by piece, until ``source`` is closed; where the
+    kernel cannot, advise the rest of the stretch instead (``fileno``: the file's descriptor),
+    and every later stretch."""
+    global _populates
+    address = view.ctypes.data
+    for start in range(offset, offset + length, _POPULATE_PIECE):
+        if source._closed:
+            return
+        done = populate_read(address + start, min(_POPULATE_PIECE, offset + length - start))
+        if done is None:
+            _populates = False
+            _fadvise(fileno, start, offset + length - start, offset + length - start)
+        if not done:  # False: cut short since it was opened; the reads say so
+            return
 
 
 class OwnedFile(_LocalFile):
