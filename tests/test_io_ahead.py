@@ -315,7 +315,7 @@ def test_a_map_populated_ahead_past_an_end_cut_in_place_refuses_the_read_and_liv
     assert bytes(opened.read_at(0, 1000)) == data[:1000]  # mapped
     os.truncate(path, 1 << 20)  # in place, as no weightstore writer ever does
     opened.prefetch(2 << 20, 1 << 20)
-    _local._advisor.submit(lambda: None).result()  # the advisor is past that stretch
+    opened._wait_populated(2 << 20, 1 << 20)  # the populators are past that stretch
     with pytest.raises(FormatError, match="changed size"):
         opened.check_unchanged("a tensor")
     opened.close()
