@@ -28,7 +28,9 @@ long as any array made from it lives. A file truncated or rewritten *in place* b
 file's end kills the process with SIGBUS. :class:`SizeGuard` is the one check against that: a
 reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.check_unchanged``)
 before each read, and an open store's next read then refuses cleanly. Any reader that maps a
-file itself holds a guard made at open (``SizeGuard(fileno, size, path)``).
+file itself holds a guard made at open (``SizeGuard(fileno, size, path)``). Faulting a stretch
+in ahead of the reader is safe even so: the kernel refuses to populate a page past the end
+(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse.
 """
 
 from __future__ import annotations
