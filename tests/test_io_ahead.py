@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import weightstore as ws
+from weightstore.errors import FormatError
 from weightstore.io import _local, _writeback
 from weightstore.io._local import MappedFile, OwnedFile
 
@@ -277,11 +278,13 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mincore and posix_fadvise as Linux has them")
-def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_path, monkeypatch):
+@pytest.mark.parametrize("piece", [1 << 20, None], ids=["advised", "populated"])
+def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_path, monkeypatch, piece):
     """Opening an npz reads its directory and manifest at the end of the file; the first tensor
-    read must still have the kernel fetch the bytes after it (it once counted the end as announced)."""
+    read must still have the kernel fetch the bytes after it (it once counted the end as announced),
+    whether the stretch is advised in pieces (a device of small read-ahead) or faulted into the map."""
     monkeypatch.setattr(_local, "READ_AHEAD", 24 << 20)
-    monkeypatch.setattr(_local, "_advice_piece", lambda device: 1 << 20)  # read whole, whatever the device's setting
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: piece)  # whatever the device's setting
     weights = {"a": np.ones(1 << 14, np.float32), "b": np.zeros(8 << 20, np.float32)}  # 64 KiB, then 32 MB
     path = tmp_path / "w.npz"
     ws.save(path, weights)
@@ -297,3 +300,23 @@ def test_reading_an_npz_reads_ahead_though_its_index_was_read_at_the_end(tmp_pat
         while not _resident(path, far, 1 << 20) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert _resident(path, far, 1 << 20)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_a_map_populated_ahead_past_an_end_cut_in_place_refuses_the_read_and_lives(tmp_path, monkeypatch):
+    """The advisor faults a stretch into the map; where the file was cut in place meanwhile, the
+    pages past its new end are refused by the kernel (a touch would have raised SIGBUS and killed
+    the process), the advisor stops, and the read refuses cleanly; later maps are still populated."""
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: None)  # populate, whatever the device's setting
+    data = os.urandom(4 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    opened = MappedFile(str(path))
+    assert bytes(opened.read_at(0, 1000)) == data[:1000]  # mapped
+    os.truncate(path, 1 << 20)  # in place, as no weightstore writer ever does
+    opened.prefetch(2 << 20, 1 << 20)
+    opened._wait_populated(2 << 20, 1 << 20)  # the populators are past that stretch
+    with pytest.raises(FormatError, match="changed size"):
+        opened.check_unchanged("a tensor")
+    opened.close()
+    assert _local._populates

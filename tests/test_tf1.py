@@ -26,6 +26,7 @@ from weightstore.adapters._values import Values  # noqa: E402
 from weightstore.adapters.plan import AssignWarning  # noqa: E402
 from weightstore.core._gcpause import paused_gc  # noqa: E402
 from weightstore.errors import AssignmentError, ChecksumError, FormatError, SelectionError  # noqa: E402
+from weightstore.io import _local  # noqa: E402
 from weightstore.sync import Version  # noqa: E402
 
 v1 = tf.compat.v1
@@ -928,6 +929,33 @@ def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, b
         with pytest.raises(ChecksumError, match="layer_5/w"):
             tf1.assign(sess, path)
         assert sess.feeding_runs == 0
+        assert not any(got.any() for got in values(sess, variables))
+
+
+def test_a_file_cut_in_place_during_the_verify_pass_changes_nothing(tmp_path, monkeypatch, two_per_batch,
+                                                                    batches_counted):
+    """A file cut short while the verify pass reads it (the pages ahead being faulted into the
+    map, past what is now its end) fails the pass, before any batch runs: no variable changes."""
+    weights = six_values()
+    path = tmp_path / "w.npz"
+    ws.save(path, weights)
+    prefetch = Values.prefetch
+    chunks: list[list[str]] = []
+
+    def cut_at_the_second_chunk(self, keys):
+        chunks.append(keys)
+        if len(chunks) == 2:
+            os.truncate(path, path.stat().st_size // 2)  # in place, as no weightstore writer ever does
+        return prefetch(self, keys)
+
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: None)  # faulted in, whatever the device
+    monkeypatch.setattr(Values, "prefetch", cut_at_the_second_chunk)
+    with tf.Graph().as_default() as graph, CountingSession(graph=graph) as sess:
+        variables = six_variables()
+        sess.run(v1.global_variables_initializer())
+        with pytest.raises(FormatError, match="changed size"):
+            tf1.assign(sess, path)
+        assert len(chunks) == 2 and sess.feeding_runs == 0
         assert not any(got.any() for got in values(sess, variables))
 
 

@@ -17,11 +17,12 @@ on free.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import sys
 from collections.abc import Callable
 
-__all__ = ["give_back", "populate"]
+__all__ = ["give_back", "populate", "populate_read"]
 
 
 @functools.cache
@@ -39,7 +40,8 @@ def give_back() -> None:
         trim(0)
 
 
-#: ``madvise``'s advice to fault a range's pages in, writable, in one call (Linux 5.14)
+#: ``madvise``'s advice to fault a range's pages in, readable or writable, in one call (Linux 5.14)
+_POPULATE_READ = 22
 _POPULATE_WRITE = 23
 _PAGE = 4096
 
@@ -64,3 +66,18 @@ def populate(address: int, length: int) -> None:
     end = (address + length) // _PAGE * _PAGE
     if madvise is not None and end > start:
         madvise(start, end - start, _POPULATE_WRITE)  # refused (an old kernel): nothing lost
+
+
+def populate_read(address: int, length: int) -> bool | None:
+    """Fault in the pages of ``address..address+length`` (a map of a file, about to be read),
+    readable, in one system call that reads what the page cache lacks as the map's own faults
+    would, read-ahead included. False where a page could not be (past the file's end: the call
+    refuses where a touch would raise SIGBUS); None where the kernel or the C library has no such
+    advice (Linux before 5.14, another system)."""
+    madvise = _madvise() if sys.platform == "linux" else None
+    if madvise is None:
+        return None
+    start = address // _PAGE * _PAGE
+    if length <= 0 or madvise(start, address + length - start, _POPULATE_READ) == 0:
+        return True
+    return None if ctypes.get_errno() == errno.EINVAL else False

@@ -14,9 +14,13 @@ a cached file stay zero-copy and cost nothing more.
 The kernel reads at most ``max(read_ahead_kb, max_sectors_kb)`` of one advice (Linux's
 ``force_page_cache_ra``), so how the advice is cut depends on the device (:func:`_advice_piece`):
 where its own read-ahead is small (the common 128 KB) the advice goes in 1 MB pieces, each read
-whole; where it is large (8 MB on the VM measured) one advice starts the disk at the head of the
-range and the kernel's read-ahead on the map's faults carries on, which measured faster there
-than advice read whole.
+whole. Where it is large (8 MB on the VMs measured) the kernel's read-ahead on a map's faults
+keeps the disk busy by itself, and a mapped file's stretch is faulted into the map instead
+(``MADV_POPULATE_READ``, :func:`_populate`), in 8 MB pieces, two at a time on two threads; a
+read waits for the pieces that hold its bytes and finds them in its map, where it used to fault
+them in page by page while it checksummed them. A cold 256 MB npz read and verified (2 cores,
+kernel 6.18, quiet): 0.16 s and 0.05 CPU-s, where one advice of the stretch took 0.25 s and
+0.10-0.12 CPU-s (a plain mapped read: 0.14 s).
 
 **The size guard.** Writers replace files by rename, never in place, so a map stays valid for as
 long as any array made from it lives. A file truncated or rewritten *in place* by another tool
@@ -24,7 +28,9 @@ long as any array made from it lives. A file truncated or rewritten *in place* b
 file's end kills the process with SIGBUS. :class:`SizeGuard` is the one check against that: a
 reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.check_unchanged``)
 before each read, and an open store's next read then refuses cleanly. Any reader that maps a
-file itself holds a guard made at open (``SizeGuard(fileno, size, path)``).
+file itself holds a guard made at open (``SizeGuard(fileno, size, path)``). Faulting a stretch
+in ahead of the reader is safe even so: the kernel refuses to populate a page past the end
+(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse.
 """
 
 from __future__ import annotations
@@ -34,9 +40,13 @@ import functools
 import mmap
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from weightstore.core._forks import Pool
+from weightstore.core._heap import populate_read
 from weightstore.errors import FormatError, StoreClosedError
 from weightstore.io._buffer import aligned_buffer
 from weightstore.io.files import open_regular_unbuffered, unreadable
@@ -171,8 +181,12 @@ class _LocalFile:
         start = last if first <= offset <= last else offset  # the stretch goes on, or a new one begins
         end = min(self.size, offset + length + READ_AHEAD)
         if end - start >= _ADVISE_FROM and not self._closed and _CAN_ADVISE:
-            _advise(self._handle.fileno(), start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
+            self._announce(start, end - start, _advice_piece(os.fstat(self._handle.fileno()).st_dev))
             self._ahead = (first if start == last else start, end)
+
+    def _announce(self, offset: int, length: int, piece: int | None) -> None:
+        """Have the kernel fetch a stretch, from the advisor thread, in advice of ``piece`` bytes."""
+        _advise(self._handle.fileno(), offset, length, piece)
 
     def release(self, offset: int, length: int) -> None:
         pass
@@ -209,6 +223,10 @@ class MappedFile(_LocalFile):
         super().__init__(path)
         self._map: mmap.mmap | None = None
         self._window: tuple[int, memoryview] | None = None  # (offset, bytes) while the index is read
+        #: the pieces the populators fault in (:meth:`_announce`), each (start, end, job) until the
+        #: reader finds it done, and the process that asked for them
+        self._pieces: list[tuple[int, int, Future[None]]] = []
+        self._pieces_of = 0
 
     def start(self, index_at_end: bool) -> None:
         """Read the :data:`INDEX_WINDOW` bytes at the end or the start of the file, where the
@@ -254,7 +272,37 @@ class MappedFile(_LocalFile):
         mapping = self.mapping
         if mapping is None:
             return memoryview(b"")
+        if self._pieces:
+            self._wait_populated(offset, length)
         return memoryview(mapping)[offset : offset + length]
+
+    def _wait_populated(self, offset: int, length: int) -> None:
+        """Wait for the pieces being faulted in that hold any of these bytes (:meth:`_announce`),
+        so the reader finds them in its map rather than faults them in beside the populators
+        (which cost a cold 256 MB npz read 1.4x its wall on a loaded machine, and twice the CPU).
+        Not in a forked child, whose populators are not its parent's."""
+        if self._pieces_of != os.getpid():
+            self._pieces = []
+            return
+        end = offset + length
+        for start, stop, job in list(self._pieces):
+            if start < end and offset < stop:
+                with contextlib.suppress(Exception):  # a failed piece is the reads' to report
+                    job.result()
+        self._pieces = [piece for piece in self._pieces if not piece[2].done()]
+
+    def _announce(self, offset: int, length: int, piece: int | None) -> None:
+        """Where the device reads ahead far by itself (``piece`` None), fault the stretch into the
+        map, two pieces at a time (:func:`_populate`), else advise it as an owned file does."""
+        mapping = self.mapping if piece is None and self._window is None and _populates else None
+        if mapping is None:
+            super()._announce(offset, length, piece)
+            return
+        if self._pieces_of != os.getpid():  # a forked child: its parent's pieces are not its own
+            self._pieces, self._pieces_of = [], os.getpid()
+        for start in range(offset, offset + length, _POPULATE_PIECE):
+            stop = min(start + _POPULATE_PIECE, offset + length)
+            self._pieces.append((start, stop, _populators.submit(_populate, self, mapping, self.fileno(), start, stop - start)))
 
     def release(self, offset: int, length: int) -> None:
         """Unmap a range read once and never handed out (compressed bytes): it leaves this
@@ -269,6 +317,31 @@ class MappedFile(_LocalFile):
         if self._map is not None:
             with contextlib.suppress(BufferError):  # arrays handed out still view the map; it closes with the last
                 self._map.close()
+
+
+#: a stretch is populated in pieces of this size, two at a time (:data:`_populators`)
+_POPULATE_PIECE = 8 << 20
+_populators = Pool(2, "weightstore-populate")  # pieces start in order, the next while one waits for the disk
+_populates = True  # False once the kernel refused to populate a map (older than 5.14): advice instead
+
+
+def _populate(source: MappedFile, mapping: mmap.mmap, fileno: int, offset: int, length: int) -> None:
+    """Fault ``offset..offset+length`` of ``source``'s map in, unless ``source`` was closed;
+    where the kernel cannot, advise it instead (``fileno``: the file's descriptor), and every
+    later stretch. The map stays open while the piece is faulted in (a view of it keeps
+    ``close`` from unmapping it), and is closed here if ``source`` was meanwhile."""
+    global _populates
+    try:
+        view = np.frombuffer(mapping, np.uint8)
+    except ValueError:  # closed before a populator came to it
+        return
+    if not source._closed and populate_read(view.ctypes.data + offset, length) is None:
+        _populates = False  # a page past an end cut in place since the open (False) is the reads' to report
+        _fadvise(fileno, offset, length, length)
+    del view
+    if source._closed:
+        with contextlib.suppress(BufferError):  # arrays handed out still view the map; it closes with the last
+            mapping.close()
 
 
 class OwnedFile(_LocalFile):
