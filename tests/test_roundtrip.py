@@ -621,3 +621,17 @@ def test_a_copy_by_runs_of_bytes_is_numpys_copy(name):
     assert copied.flags.c_contiguous and copied.dtype == view.dtype and copied.shape == view.shape
     assert copied.tobytes() == np.ascontiguousarray(view).tobytes()
     assert not np.shares_memory(copied, view) or view.flags.c_contiguous
+
+
+@pytest.mark.slow  # 4 GB copied: the least a run past 2 GB, twice, takes
+def test_a_copy_whose_runs_are_over_2_gb_is_numpys_copy():
+    """numpy's void type, which ``c_copy`` copies each run as, holds less than 2 GiB: a longer
+    run (a strip of a two-row tensor split by columns) raised a bare ``ValueError`` out of the save."""
+    from weightstore.core.manifest import c_copy
+
+    source = np.zeros((1 << 31) + 64, np.uint8)  # untouched: the system's zero pages, but for the ends
+    source[:3], source[-3:] = (1, 2, 3), (4, 5, 6)
+    view = np.lib.stride_tricks.as_strided(source, shape=(2, source.size), strides=(0, 1))
+    copied = c_copy(view)
+    assert copied.flags.c_contiguous and copied.shape == view.shape
+    assert [copied[row, :3].tolist() + copied[row, -3:].tolist() for row in (0, 1)] == [[1, 2, 3, 4, 5, 6]] * 2

@@ -184,6 +184,29 @@ def test_every_writer_layout_is_a_valid_file(tmp_path, monkeypatch, hold, slack,
     assert all(same(theirs[k], v) for k, v in weights.items())
 
 
+def test_a_header_padded_past_the_readers_limit_is_never_written(tmp_path, monkeypatch):
+    """The length readers check (ours and the library's, 100 MB) counts the header's padding:
+    a streamed file reserved twice its estimate, so 30,000 tensors of 1,000-byte names wrote a
+    63 MB header padded to 136 MB that nothing read; and a header just under the limit, padded
+    to the 64-byte edge, went past it. Here with the limit made small."""
+    weights = {f"layer_{i:03d}/" + "k" * 40: sample(np.float32, (3, 5), i) for i in range(150)}
+    exact = tmp_path / "exact.safetensors"
+    ws.save(exact, weights)
+    length, _ = header_of(exact)
+    text = exact.read_bytes()[8:8 + length].rstrip(b" ")
+    assert (8 + len(text)) % 64  # so padding it passes a limit of its own length
+    monkeypatch.setattr(st_format, "MAX_SAFETENSORS_HEADER_BYTES", len(text))
+    with pytest.raises(ws.FormatError, match="readers refuse"):
+        ws.save(tmp_path / "held.safetensors", weights)
+    monkeypatch.setattr(st_format, "MAX_SAFETENSORS_HEADER_BYTES", 100_000)  # under the streamed room
+    monkeypatch.setattr(st_format, "_HOLD_BYTES", 64)
+    path = tmp_path / "streamed.safetensors"
+    ws.save(path, weights)
+    assert header_of(path)[0] <= 100_000
+    loaded = ws.load(path)
+    assert all(same(loaded[k], v) for k, v in weights.items())
+
+
 def test_saving_a_store_streams_it_into_safetensors_and_back(tmp_path):
     weights = mixed()
     npz = tmp_path / "a.npz"

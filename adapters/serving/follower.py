@@ -518,12 +518,13 @@ class Follower:
             store.close()
             raise
 
-    def _holding(self) -> str | None:
-        """The file name of the version whose copies this follower holds (the next delta version
-        is pinned down to it: :meth:`weightstore.sync.Version.pin`); ``None`` while it keeps none."""
+    def _holding(self) -> Version | None:
+        """The version whose copies this follower holds (the next delta version is pinned down
+        to it, and rests on its pin: :meth:`weightstore.sync.Version.pin`); ``None`` while it
+        keeps none."""
         if self.version is None or not self._held or self.deltas is False:
             return None
-        return self.version.path.rsplit("/", 1)[-1]
+        return self.version
 
     def _held_version(self, store: Store) -> str | None:
         """The file name of the version held, where ``store`` may be rebuilt onto its held

@@ -204,6 +204,9 @@ def to_storage(array: np.ndarray, key: str = "") -> tuple[str, np.ndarray]:
 #: runs of at least this many contiguous bytes are copied whole (:func:`c_copy`); below, numpy's
 #: typed copy is as fast
 _RUN_COPY_BYTES = 32
+#: the longest run copied as one element: numpy's void type holds less than 2 GiB (a longer one
+#: raised a bare ValueError, "invalid itemsize")
+_MOST_RUN_BYTES = (1 << 31) - 1
 
 
 def c_copy(array: np.ndarray) -> np.ndarray:
@@ -218,7 +221,7 @@ def c_copy(array: np.ndarray) -> np.ndarray:
     if array.flags.c_contiguous:
         return array
     axis, run = array.ndim, array.itemsize
-    while axis and array.strides[axis - 1] == run:
+    while axis and array.strides[axis - 1] == run and run * array.shape[axis - 1] <= _MOST_RUN_BYTES:
         run *= array.shape[axis - 1]
         axis -= 1
     if axis == array.ndim or run < _RUN_COPY_BYTES:

@@ -805,6 +805,7 @@ class DeltaReader(ReaderDefaults):
         self._entries = self._parse_entries(entries)
         self._open_base = functools.partial(open_base, self.head.base, depth + 1, self.head.chain[1:])
         self._opened: Reader | None = None
+        self._let_go: Callable[[], None] | None = None  # the base is another's, lent: see rest_on
         self._opening = threading.Lock()  # tensors are rebuilt in parallel: the base is opened once
         if eager and not chained:  # chained: a local chain's base, opened by its top (_open_chain); or chain=False
             self._open_chain(until)
@@ -834,6 +835,19 @@ class DeltaReader(ReaderDefaults):
             if len(levels) > 1:
                 levels[1].close()
             raise
+
+    def rest_on(self, held: str, reader: Reader, let_go: Callable[[], None]) -> bool:
+        """Take ``reader``, version ``held`` open elsewhere (the pin of the version a ``Follower``
+        holds), as the base where this version's chain, opened down to ``held``
+        (:func:`open_reader`), stops; whether it did. Closing this version calls ``let_go``
+        for it, not its ``close``. So the chain stays readable whole, its lower files pruned or
+        not, without opening them again, and is still walked in a loop, not a call a version."""
+        level = self._chain()[-1]
+        with level._opening:
+            if level.head.base != held or level._opened is not None:
+                return False
+            level._opened, level._let_go = reader, let_go
+        return True
 
     @property
     def _base(self) -> Reader:
@@ -902,12 +916,13 @@ class DeltaReader(ReaderDefaults):
         return count + (level is not None)
 
     def _chain(self) -> list[DeltaReader]:
-        """This version and each delta of its chain opened so far, this one first."""
+        """This version and each delta of its chain opened so far, this one first, down to a
+        base lent to it (:meth:`rest_on`)."""
         found: list[DeltaReader] = []
         level: Reader | None = self
         while isinstance(level, DeltaReader):
             found.append(level)
-            level = level._opened
+            level = None if level._let_go is not None else level._opened
         return found
 
     @property
@@ -1173,7 +1188,9 @@ class DeltaReader(ReaderDefaults):
         levels = self._chain()
         anchor = levels[-1]._opened
         with contextlib.ExitStack() as closing:  # runs the last pushed first: this file, then down
-            if anchor is not None:
+            if levels[-1]._let_go is not None:
+                closing.callback(levels[-1]._let_go)
+            elif anchor is not None:
                 closing.callback(anchor.close)
             for level in reversed(levels):
                 closing.callback(level._source.close)

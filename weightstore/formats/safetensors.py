@@ -284,7 +284,8 @@ class SafetensorsWriter:
             self._plan = self._planned() if self._planned is not None else []
         described = [(info.key, len(info.shape)) for info in self._plan] or [(t.key, len(t.shape)) for t in self._tensors]
         room = _LENGTH.size + 2 * _header_estimate(described) + _HEADER_SLACK
-        self._data_start = room + (-room % _STREAMED_ALIGNMENT)
+        most = _LENGTH.size + MAX_SAFETENSORS_HEADER_BYTES  # readers refuse a longer header, its padding included
+        self._data_start = min(room + (-room % _STREAMED_ALIGNMENT), most - most % _STREAMED_ALIGNMENT)
         self._flush()
         self._file.seek(self._data_start)
         held, self._held = self._held, []
@@ -297,10 +298,10 @@ class SafetensorsWriter:
     def commit(self, manifest_text: str) -> None:
         self._lay_out_held()
         header = self._header(manifest_text)
-        if len(header) > MAX_SAFETENSORS_HEADER_BYTES:
-            raise FormatError(f"the safetensors header would be {len(header)} bytes (readers refuse over "
-                              f"{MAX_SAFETENSORS_HEADER_BYTES}); store these tensors as .npz or .h5", path=self._path)
         needed = _aligned(_LENGTH.size + len(header))
+        if needed - _LENGTH.size > MAX_SAFETENSORS_HEADER_BYTES:  # the length readers check counts the padding
+            raise FormatError(f"the safetensors header would be {needed - _LENGTH.size} bytes (readers refuse over "
+                              f"{MAX_SAFETENSORS_HEADER_BYTES}); store these tensors as .npz or .h5", path=self._path)
         if self._data_start is None:  # nothing written yet: the data follows the exact header
             self._data_start = needed
             self._file.seek(needed)

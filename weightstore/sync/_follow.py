@@ -224,7 +224,7 @@ class PointerWatch:
                 self.interval = self.poll
                 return
 
-    def newer(self, last: int | None, *, followed: bool = False, holding: str | None = None) -> Version | None:
+    def newer(self, last: int | None, *, followed: bool = False, holding: Version | None = None) -> Version | None:
         """The latest version if it is above ``last``, pinned; None when there is none (or the
         pointer did not change since the last look).
 
@@ -232,7 +232,7 @@ class PointerWatch:
         after), so a pointer that went back below it (the folder deleted and a run started over
         in it, ``LATEST`` restored from a backup) names what the folder now serves: that version
         is returned too, with a warning, rather than waited past in silence. ``holding``: the
-        file name of the version whose tensors the caller holds (:meth:`Version.pin`)."""
+        version whose tensors the caller holds (:meth:`Version.pin`)."""
         tag = self.source.tag(LATEST)
         if not self._fresh and tag == self._read:
             self._idle()
@@ -252,7 +252,7 @@ class PointerWatch:
             self.interval = self.poll
         return version
 
-    def _newer_pinned(self, last: int | None, *, back: bool, holding: str | None) -> Version | None:
+    def _newer_pinned(self, last: int | None, *, back: bool, holding: Version | None) -> Version | None:
         """The latest version if it is above ``last`` (with ``back``, below it too), opened;
         retries while it is pruned away. A version whose file does not open (damaged) is noted in
         :attr:`unreadable` before its error is raised."""

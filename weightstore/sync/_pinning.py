@@ -5,12 +5,13 @@ mapped, and a mapping survives the file's removal, so a slow reader keeps its ve
 delta version is pinned with its chain, down to its anchor (what a reader holding nothing
 reads). A ``Follower`` holding a version of that chain pins the next one down to the version it
 holds only (:meth:`Version.pin`'s ``holding``): the deltas it rebuilds onto its copy, so its
-cost grows with the versions it missed, not with the chain's depth. A base below is opened only
-if read (a copy that does not rebuild); retention removes the newest first and never a base a
-kept version needs, so a base pruned by then means the version is gone too: the read raises
-:class:`VersionGoneError` and the follower reads ``LATEST`` again. An object store has no such
-thing: the open object's bytes are fetched in ranges as they are read, so a reader that lags
-more than one publish behind can still lose a large version; it then gets
+cost grows with the versions it missed, not with the chain's depth; the rest of the chain is
+read through a share of the held version's pin (so the version it serves reads whole, pruned or
+not). Where that pin was let go, a base below is opened only if read; retention removes the
+newest first and never a base a kept version needs, so a base pruned by then means the version
+is gone too: the read raises :class:`VersionGoneError` and the follower reads ``LATEST`` again.
+An object store has no such thing: the open object's bytes are fetched in ranges as they are
+read, so a reader that lags more than one publish behind can still lose a large version; it gets
 :class:`VersionGoneError` and should move to the newest (``Follower`` does). A store opened
 from a pinned version (``ws.open(version)``) shares the pin and keeps the file open until it
 is closed itself, even after the iteration moved on.
@@ -43,7 +44,7 @@ from weightstore.errors import (
 from weightstore.formats import Reader, format_for_suffix, format_named
 from weightstore.formats import delta as delta_format
 from weightstore.formats._pointer import LATEST, parse_pointer
-from weightstore.formats._renamed import by_saved_keys
+from weightstore.formats._renamed import RenamedReader, by_saved_keys
 from weightstore.formats._sharded_index import index_name
 from weightstore.io.folders import Folder, folder_for
 from weightstore.store._open import Store
@@ -127,12 +128,12 @@ class Version:
     def _source(self) -> Folder:
         return self._folder or folder_for(self.path.rsplit("/", 1)[0] if "/" in self.path else ".")
 
-    def pin(self, holding: str | None = None) -> None:
+    def pin(self, holding: Version | None = None) -> None:
         """Open the file now so that pruning cannot take it away; :meth:`release` lets go.
 
-        ``holding``: the file name of a version whose tensors the reader holds and rebuilds
-        this one onto (a ``Follower``'s): a local delta version's chain is pinned down to it, not
-        to its anchor (see the module's Pinning)."""
+        ``holding``: a version whose tensors the reader holds and rebuilds this one onto (a
+        ``Follower``'s): a local delta version's chain is opened down to it, not to its anchor,
+        and rests on its pin (see the module's Pinning)."""
         if self._pinned is None:
             self._pinned = _SharedReader(_open_version(self._source(), self, True, holding)._reader)
 
@@ -173,10 +174,11 @@ def pointer_version(folder: Folder, data: bytes | None) -> Version | None:
     return Version(pointer["step"], folder.url(pointer["file"]), pointer.get("created", ""), metadata, folder)
 
 
-def _open_version(folder: Folder, version: Version, verify: bool, holding: str | None = None) -> Store:
+def _open_version(folder: Folder, version: Version, verify: bool, holding: Version | None = None) -> Store:
     """``version``'s file opened; a local delta version's chain with it, down to its anchor, or
-    to ``holding`` (:meth:`Version.pin`), each base below opened when first read, and a base
-    found pruned by then a :class:`VersionGoneError` (:class:`_RemovedIsGone`)."""
+    to ``holding`` (:meth:`Version.pin`), on whose pin it then rests (:func:`_rest_on`; where
+    that pin is let go, each base below is opened when first read, and a base found pruned by
+    then is a :class:`VersionGoneError`: :class:`_RemovedIsGone`)."""
     name = version.path.rsplit("/", 1)[-1]
     fmt = format_for_suffix(name) or format_named("npz")
     try:
@@ -189,12 +191,14 @@ def _open_version(folder: Folder, version: Version, verify: bool, holding: str |
 
         lazy = holding is not None and fmt.name == delta_format.FORMAT_NAME
         try:
-            store = own_record(open_onto_base(handle, held=holding) if lazy else open_store(handle, verify=verify),
+            held = None if holding is None else holding.path.rsplit("/", 1)[-1]
+            store = own_record(open_onto_base(handle, held=held) if lazy else open_store(handle, verify=verify),
                                version)
         except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
             raise _gone_or(exc, folder, version) from None
-        if not lazy:
+        if holding is None or not lazy:
             return store
+        _rest_on(store._reader, holding)
         return Store(cast(Reader, _RemovedIsGone(store._reader, folder, version)), version.path, verify, store.format)
     try:
         reader = _RemovedIsGone(by_saved_keys(fmt.open_reader(handle, version.path)), folder, version)
@@ -277,6 +281,64 @@ class _RemovedIsGone:
                     raise _gone(self._version) from None
                 raise
         return gone_when_removed
+
+
+def _rest_on(reader: Reader, holding: Version) -> None:
+    """Give the chain of ``reader`` (a delta version opened down to ``holding``) a share of
+    ``holding``'s pin as its base: the version a ``Follower`` serves stays readable whole
+    (``ws.load(follower.version)``, after it stopped too) however much retention prunes, as when
+    its chain was pinned down to the anchor, while pinning it opened only the deltas since."""
+    shared = holding._pinned
+    if shared is None or not shared.acquire():
+        return
+    lent = _Lent(shared)
+    top = reader._reader if isinstance(reader, RenamedReader) else reader
+    if not (isinstance(top, delta_format.DeltaReader)
+            and top.rest_on(holding.path.rsplit("/", 1)[-1], lent.reader, lent.close)):
+        lent.close()
+
+
+class _Lent:
+    """A share of a pinned version's reader, lent as the base of the next version's chain
+    (:attr:`reader`: as a chain reads its base, a delta by its stored keys, an anchor as
+    ``ws.open`` reads it), let go when that chain is closed."""
+
+    def __init__(self, shared: _SharedReader):
+        self._shared: _SharedReader | None = shared
+        reader = shared._reader
+        reader = reader._reader if isinstance(reader, _RemovedIsGone) else reader
+        if isinstance(reader, RenamedReader) and isinstance(reader._reader, delta_format.DeltaReader):
+            reader = reader._reader
+        self.reader: Reader = reader
+
+    def close(self) -> None:
+        """Let go of the share; one let go while another is (the chain it was lent to, closing,
+        closes the version below, which closes the one below it...) waits for it to be done, so
+        the stack stays the same however long the line of versions (a chain 300 deep closed each
+        within the one above passed Python's 1,000 frames)."""
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        queue: list[_SharedReader] | None = getattr(_letting_go, "queue", None)
+        if queue is not None:
+            queue.append(shared)
+            return
+        queue, failed = [shared], None
+        _letting_go.queue = queue
+        try:
+            while queue:  # every one let go, whichever fails
+                try:
+                    queue.pop().release()
+                except Exception as exc:
+                    failed = failed or exc
+        finally:
+            _letting_go.queue = None
+        if failed is not None:
+            raise failed
+
+
+#: the shares :meth:`_Lent.close` is letting go of in this thread
+_letting_go = threading.local()
 
 
 def _pruned(folder: Folder, version: Version) -> bool:
