@@ -283,13 +283,17 @@ class MappedFile(_LocalFile):
         (which cost a cold 256 MB npz read 1.4x its wall on a loaded machine, and twice the CPU).
         Not in a forked child, whose populators are not its parent's. A piece no populator has
         started is faulted in here instead: it may be queued behind another file's stretch (on a
-        slow or hung mount), which this read must not wait for."""
+        slow or hung mount), which this read must not wait for. One not started that ends before
+        these bytes is dropped: the reader passed it by (the bytes between the tensors of a
+        stretch it reads some of), and populated it would read them all from the disk."""
         if self._pieces_of != os.getpid():
             self._pieces = []
             return
         end = offset + length
         for start, stop, job in list(self._pieces):
-            if start < end and offset < stop:
+            if stop <= offset:
+                job.cancel()
+            elif start < end:
                 if job.cancel() and self._map is not None:  # mapped: the pieces are of its map
                     _populate(self, self._map, self.fileno(), start, stop - start)
                     continue
