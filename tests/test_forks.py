@@ -65,3 +65,20 @@ def test_a_forked_child_uses_the_pool_its_parent_used(pool):
     done = subprocess.run([sys.executable, "-c", FORK.format(setup=setup, use=use)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_thread_that_outlives_the_main_thread_still_loads_a_file(tmp_path):
+    """Once the main thread returns, the interpreter's thread pools refuse new work; a thread
+    still running (a server's, a follower's) loads a file all the same, its read-ahead run by itself."""
+    script = f"""
+import threading, time, numpy as np, weightstore as ws
+path = {str(tmp_path / "w.npz")!r}
+ws.save(path, {{"w": np.ones(1 << 20, np.float32)}})
+def late():
+    time.sleep(0.3)  # the main thread has returned by now
+    print("read", float(ws.load(path)["w"].sum()))
+threading.Thread(target=late).start()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"read {float(1 << 20)}", done.stderr

@@ -8,6 +8,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -320,3 +321,57 @@ def test_a_map_populated_ahead_past_an_end_cut_in_place_refuses_the_read_and_liv
         opened.check_unchanged("a tensor")
     opened.close()
     assert _local._populates
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
+def test_a_read_does_not_wait_for_populators_busy_with_another_file(tmp_path, monkeypatch):
+    """The populators are shared by every open file: while both fault in another file's stretch
+    (a slow or hung mount), a read of this one faults its own pieces in rather than waiting behind."""
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: None)  # populate, whatever the device's setting
+    data = os.urandom(4 << 20)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    opened = MappedFile(str(path))
+    busy = threading.Event()
+    for _ in range(2):
+        _local._populators.submit(busy.wait)
+    read: list[bytes] = []
+    try:
+        opened.prefetch(0, 1 << 20)
+        reader = threading.Thread(target=lambda: read.append(bytes(opened.read_at(1 << 20, 1 << 20))))
+        reader.start()
+        reader.join(60)  # only a hang detector: the read returns at once
+        assert not reader.is_alive(), "the read waited for the other file's populators"
+    finally:
+        busy.set()
+        opened.close()
+    assert read == [data[1 << 20 : 2 << 20]]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore and MADV_POPULATE_READ as Linux has them")
+def test_reading_two_tensors_apart_does_not_read_the_file_between_them(tmp_path, monkeypatch):
+    """Reading a few tensors announces the stretch they span; the pieces of it the reader passes
+    by (the bytes of tensors not asked for) are not faulted in: once, reading the first and the
+    last tensor of a checkpoint read every byte of it from the disk. The populators are held busy
+    until both reads are done, so every piece is still waiting when the reader passes it."""
+    monkeypatch.setattr(_local, "_advice_piece", lambda device: None)  # populate, whatever the device's setting
+    path = tmp_path / "w.safetensors"
+    ws.save(path, {"a": np.ones(1024, np.float32), "m": np.zeros(64 << 20, np.uint8), "z": np.ones(1024, np.float32)})
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    middle = (24 << 20, 24 << 20)  # well inside "m", past what the kernel reads around a fault itself
+    if _resident(path, *middle):
+        pytest.skip("this file system keeps the file cached (tmpfs?)")
+    busy = threading.Event()
+    for _ in range(2):
+        _local._populators.submit(busy.wait)
+    try:
+        with ws.open(path) as store:
+            got = store.read(["a", "z"])
+            busy.set()
+            _local._populators.submit(lambda: None).result()  # every piece before it has run or was dropped
+            assert not _resident(path, *middle)
+    finally:
+        busy.set()
+    np.testing.assert_array_equal(got["z"], np.ones(1024, np.float32))

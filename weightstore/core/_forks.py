@@ -40,8 +40,21 @@ class Pool:
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, job: Callable[..., R], *args: Any) -> Future[R]:
-        """Hand ``job(*args)`` to the pool; jobs submitted from one thread start in that order."""
+        """Hand ``job(*args)`` to the pool; jobs submitted from one thread start in that order.
+
+        Once the main thread has returned, the interpreter's pools take no more work (a
+        ``RuntimeError``) while other threads still run: a thread reading a file then runs the
+        job itself, where the read raised that error."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
-            return self._pool.submit(job, *args)
+            try:
+                return self._pool.submit(job, *args)
+            except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+                pass
+        ran: Future[R] = Future()
+        try:
+            ran.set_result(job(*args))
+        except BaseException as exc:  # the job's own error, for whoever asks for its result
+            ran.set_exception(exc)
+        return ran
