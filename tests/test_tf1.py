@@ -934,8 +934,9 @@ def test_a_bad_value_in_a_later_batch_changes_nothing(tmp_path, two_per_batch, b
 
 def test_a_file_cut_in_place_during_the_verify_pass_changes_nothing(tmp_path, monkeypatch, two_per_batch,
                                                                     batches_counted):
-    """A file cut short while the verify pass reads it (the pages ahead being faulted into the
-    map, past what is now its end) fails the pass, before any batch runs: no variable changes."""
+    """A file cut short while the verify pass reads it, its pages faulted into the map ahead of
+    the reads, fails the pass before any batch runs: no variable changes. (The size guard
+    refuses it here; a populate past the new end is tests/test_io_ahead.py's.)"""
     weights = six_values()
     path = tmp_path / "w.npz"
     ws.save(path, weights)
