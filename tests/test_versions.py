@@ -657,6 +657,24 @@ def test_a_publish_whose_lock_cannot_be_opened_is_a_write_error_naming_the_folde
     assert ws.latest(tmp_path).step == 1
 
 
+def test_a_publish_whose_lock_the_system_refuses_to_take_is_a_write_error_naming_the_folder(tmp_path, monkeypatch):
+    """NFS emulates flock by POSIX locks, whose exclusive lock a read-only descriptor (another
+    user's lock file) may not take: EBADF, where an ordinary folder's lock only ever waits. That
+    fault, made here at the call, is a WriteError naming the folder, never a bare OSError."""
+    import fcntl
+
+    ws.publish(tmp_path, {"w": np.zeros(2, np.float32)}, step=1)
+
+    def refused(fd, operation):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    with pytest.raises(ws.WriteError, match=re.escape(f"{tmp_path}: cannot be locked (.publish.lock: Bad file")):
+        ws.publish(tmp_path, {"w": np.ones(2, np.float32)}, step=2)
+    monkeypatch.undo()
+    assert ws.latest(tmp_path).step == 1
+
+
 @pytest.mark.parametrize("step", [3, 2], ids=["a later step", "the step the other writer published"])
 def test_a_background_publisher_whose_folder_another_process_took_over_logs_and_counts_the_refusal(tmp_path, caplog,
                                                                                                    step):

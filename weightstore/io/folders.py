@@ -421,10 +421,12 @@ class LocalFolder(Folder):
             if exc.errno == errno.ELOOP:
                 raise TargetError("holds .publish.lock as a symbolic link; a versioned folder's files are never "
                                   "written through links: remove it", path=self.where) from None
-            raise WriteError(exc.errno or 0, f"cannot be locked (.publish.lock: {exc.strerror or exc})",
-                             path=self.where) from None
+            raise _unlockable(exc, self.where) from None
         try:
-            _take_lock(fd, self.where)
+            try:
+                _take_lock(fd, self.where)
+            except OSError as exc:  # NFS emulates flock by fcntl locks, which a read-only descriptor may not take
+                raise _unlockable(exc, self.where) from None
             yield
         finally:  # unlocked, not only closed: a child forked meanwhile holds the lock through its copy of fd
             with contextlib.suppress(OSError):
@@ -464,6 +466,11 @@ def _take_lock(fd: int, where: str) -> None:
     with contextlib.suppress(OSError):  # a lock file it may not write still locks: only the words are lost
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {_iso(time.time())}".encode(), 0)
+
+
+def _unlockable(exc: OSError, where: str) -> WriteError:
+    """The error of a ``.publish.lock`` the system will not open or lock, naming the folder."""
+    return WriteError(exc.errno or 0, f"cannot be locked (.publish.lock: {exc.strerror or exc})", path=where)
 
 
 def _locked_now(fd: int) -> bool:
