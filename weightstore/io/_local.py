@@ -225,7 +225,8 @@ class MappedFile(_LocalFile):
         self._map: mmap.mmap | None = None
         self._window: tuple[int, memoryview] | None = None  # (offset, bytes) while the index is read
         #: the pieces the populators fault in (:meth:`_announce`), each (start, end, job) until the
-        #: reader finds it done, and the process that asked for them
+        #: reader finds it done, and the process that asked for them; the list is changed in place
+        #: only (append, remove), as threads sharing the file announce and read at once
         self._pieces: list[tuple[int, int, Future[None]]] = []
         self._pieces_of = 0
 
@@ -299,7 +300,9 @@ class MappedFile(_LocalFile):
                     continue
                 with contextlib.suppress(Exception):  # a failed piece is the reads' to report
                     job.result()
-        self._pieces = [piece for piece in self._pieces if not piece[2].done()]
+        for piece in [piece for piece in self._pieces if piece[2].done()]:
+            with contextlib.suppress(ValueError):  # in place: a piece another thread announced meanwhile stays listed
+                self._pieces.remove(piece)
 
     def _announce(self, offset: int, length: int, piece: int | None) -> None:
         """Where the device reads ahead far by itself (``piece`` None), fault the stretch into the
