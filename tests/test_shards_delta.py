@@ -260,11 +260,14 @@ def test_a_serving_follower_keeps_the_right_weights_through_a_corrupt_delta_and_
             publish(tmp_path, step, delta=deltas)
             assert follower.wait(step, timeout=60).step == step
             same(held(), step)
-        publish(tmp_path, 3, delta=deltas)  # a delta whose rank 1 member is damaged
+        for rank in range(2):  # a delta whose rank 1 member is damaged before the commit names it, so
+            ws.publish_shard(tmp_path, pieces_of(3, rank, 2), step=3, rank=rank, world=2, attempt=0,
+                             delta=deltas[rank])  # the follower never meets it whole
         member = tmp_path / "step-000000000003.attempt-0" / "rank-00001.wsdelta"
         data = bytearray(member.read_bytes())
         data[-2] ^= 0xFF
         member.write_bytes(bytes(data))
+        ws.commit_shards(tmp_path, step=3, world=2, attempt=0, timeout=10)
         with pytest.raises(ws.WeightStoreError, match="rank-00001.wsdelta"):
             follower.wait(3, timeout=60)
         same(held(), 2)  # never wrong weights: step 2's, whole
