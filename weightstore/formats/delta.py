@@ -172,9 +172,12 @@ def _compressor(level: int = _LEVEL) -> zstandard.ZstdCompressor:
         kept = _local.compressors = {}
     found = kept.get(level)
     if found is None:
-        found = kept[level] = zstandard.ZstdCompressor(
-            level=level, write_content_size=True) if level < 1 else zstandard.ZstdCompressor(
-            compression_params=zstandard.ZstdCompressionParameters.from_level(level, hash_log=12, write_content_size=1))
+        if level < 1:
+            found = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        else:
+            fixed = zstandard.ZstdCompressionParameters.from_level(level, hash_log=12, write_content_size=1)
+            found = zstandard.ZstdCompressor(compression_params=fixed)
+        kept[level] = found
     return found
 
 
@@ -815,9 +818,8 @@ class DeltaReader(ReaderDefaults):
         base's file name, not opened: a reader that holds its bytes reads nothing below it, so a
         follower's pin costs the deltas since the version it holds, not the chain's depth), one
         after the other, not each inside the one above: a reader's stack stays the same however
-        deep its chain (a
-        chain of 165 small deltas opened within each other passed Python's 1,000 frames, and a
-        sound chain read as corrupt). A base that fails is named once, as a remote chain's is:
+        deep its chain (a chain of 165 small deltas opened within each other passed Python's
+        1,000 frames, and a sound chain read as corrupt). A base that fails is named once, as a remote chain's is:
         "in its chain, <the delta above it>: ..." (nested once a level, a missing anchor below 130
         deltas made a 4 KB message for each, and ``ws verify`` printed 370 KB)."""
         levels: list[DeltaReader] = [self]
