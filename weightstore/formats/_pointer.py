@@ -71,8 +71,12 @@ def published_folder_message(folder: str, latest: str | None, held_by: str | Non
                 f"reader of versions opens: put the file itself in its place, or name another version (ws versions "
                 f"{folder} lists them)")
     example = f"such as LATEST's {where}" if latest else "one of its step-* files"
-    return (f"is a folder of ws.publish versions, not one weight file; name a version, {example} "
-            f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))")
+    return f"is a folder of ws.publish versions, not one weight file; name a version, {example} {_listed_by(folder)}"
+
+
+def _listed_by(folder: str) -> str:
+    """Where a user finds a versioned folder's versions, said after each message naming one."""
+    return f"(ws versions {folder} lists them; in Python: ws.load(ws.latest(folder)))"
 
 
 def refuse_pointer(head: bytes, location: str) -> None:
@@ -86,8 +90,7 @@ def refuse_pointer(head: bytes, location: str) -> None:
     folder = posixpath.dirname(location) or "."
     latest = latest_name(head)
     names = f"it names {folder}/{latest}, the version to read" if latest else "name one of its step-* files"
-    raise FormatError(f"is a versioned folder's {LATEST} pointer, not a weight file; {names} (ws versions "
-                      f"{folder} lists them; in Python: ws.load(ws.latest(folder)))")
+    raise FormatError(f"is a versioned folder's {LATEST} pointer, not a weight file; {names} {_listed_by(folder)}")
 
 
 def latest_name(data: bytes) -> str | None:
