@@ -59,7 +59,7 @@ READ_AHEAD = 64 << 20
 #: bytes a mapped file's open reads for the index (:meth:`MappedFile.start`): the npz index of
 #: some 250 tensors, the safetensors header of some 700; a larger index is read from the map
 INDEX_WINDOW = 64 << 10
-_advisor = Pool(1, "weightstore-readahead")  # one thread: the advice queues, the disk reads in order
+_advisor = Pool(1, "weightstore-readahead", advice=True)  # one thread: the advice queues, the disk reads in order
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS, whose own readahead must do
 #: a shorter stretch is left to the kernel's own read-ahead (128 KB by default): handing it to
 #: the advice thread cost the open of a 100 KB file 4 ms of thread hand-off on a busy machine,
@@ -334,7 +334,7 @@ class MappedFile(_LocalFile):
 
 #: a stretch is populated in pieces of this size, two at a time (:data:`_populators`)
 _POPULATE_PIECE = 8 << 20
-_populators = Pool(2, "weightstore-populate")  # pieces start in order, the next while one waits for the disk
+_populators = Pool(2, "weightstore-populate", advice=True)  # pieces start in order, the next while one waits for the disk
 _populates = True  # False once the kernel refused to populate a map (older than 5.14): advice instead
 
 
