@@ -98,3 +98,30 @@ print("child:", code)
     done = run(script, tmp_path / "w.safetensors")
     assert done.returncode == 0, done.stderr
     assert "child: 0" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_file_cut_in_place_while_its_pieces_are_populated_is_refused_not_fatal(tmp_path, suffix):
+    """The read checked the file's size, then waited for the pieces that hold its bytes; another
+    tool cut the file meanwhile (``truncate``, ``cp`` over it), and the read touched the map past
+    the new end: SIGBUS killed the process. It is refused, naming the file and the bytes."""
+    script = """
+ws.save(path, {"w": np.ones(16 << 20, np.uint8)})
+real = _local.populate_read
+
+def cut_meanwhile(address, length):
+    os.truncate(path, 4096)  # in place, as no weightstore writer ever does
+    return real(address, length)
+
+_local.populate_read = cut_meanwhile
+try:
+    with ws.open(path) as store:
+        print("read", int(store["w"].sum()))
+except ws.WeightStoreError as error:
+    print("refused:", type(error).__name__, error.path == path, error)
+"""
+    path = tmp_path / f"w{suffix}"
+    done = run(script, path)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert "refused: FormatError True " in done.stdout and "changed size since it was opened" in done.stdout, \
+        done.stdout

@@ -276,6 +276,9 @@ class MappedFile(_LocalFile):
             return memoryview(b"")
         if self._pieces:
             self._wait_populated(offset, length)
+            # the reader checked the size before this wait, which may have been long: a file cut
+            # in place meanwhile would kill the process (SIGBUS) at the first byte past its end
+            self._guard.check(f"bytes {offset}..{offset + length}")
         return memoryview(mapping)[offset : offset + length]
 
     def _wait_populated(self, offset: int, length: int) -> None:
