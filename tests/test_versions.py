@@ -646,6 +646,85 @@ def test_a_publish_into_a_folder_whose_lock_file_another_user_made_takes_the_loc
     assert ws.latest(tmp_path).step == 2
 
 
+STOPPED_HOLDING_ANOTHER_USERS_LOCK = textwrap.dedent("""
+    import os, signal, sys
+
+    import numpy as np
+
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGSTOP)
+    print(ws.publish(sys.argv[1], {"w": np.ones(2, np.float32)}, step=2).step)
+""")
+
+
+KILLED_HOLDING_THE_LOCK = textwrap.dedent("""
+    import os, signal, sys
+
+    import numpy as np
+
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+
+    ws.publish(sys.argv[1], {"w": np.zeros(2, np.float32)}, step=1)
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGKILL)
+    ws.publish(sys.argv[1], {"w": np.ones(2, np.float32)}, step=2)
+""")
+
+
+@pytest.mark.parametrize("last", ["released", "killed"])
+def test_a_publish_waiting_on_a_lock_its_holder_could_not_write_in_names_no_other_process(tmp_path, caplog, last):
+    """A publisher holding ``.publish.lock`` read-only (another user's file) cannot write its name
+    in it: a publish waiting for it said the lock was held by the last process that wrote the
+    file (this very process, its publish long done; or one killed holding the lock), sending
+    whoever read the warning after the wrong process. It says the holder does not say who."""
+    if last == "released":
+        ws.publish(tmp_path, {"w": np.zeros(2, np.float32)}, step=1)
+        gone = os.getpid()
+    else:
+        killed = subprocess.run([sys.executable, "-c", KILLED_HOLDING_THE_LOCK, str(tmp_path)], timeout=120,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert killed.returncode == -signal.SIGKILL
+        gone = int((tmp_path / ".publish.lock").read_text().split(" pid ")[1].split(",")[0])
+    (tmp_path / ".publish.lock").chmod(0o444)  # as a file of another user's is to this one
+    command = [sys.executable, "-c", STOPPED_HOLDING_ANOTHER_USERS_LOCK, str(tmp_path)]
+    if os.geteuid() == 0:  # root writes any file; without the capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    stopped = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    outcome: list = []
+    try:
+        _, status = os.waitpid(stopped.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), stopped.stderr.read()
+        def publish() -> None:
+            try:
+                outcome.append(ws.publish(tmp_path, weights_at(3), step=3))
+            except ws.PublishError as exc:  # released: this process published step 1, and the other took over
+                outcome.append(exc)
+
+        waiting = threading.Thread(target=publish)
+        with caplog.at_level("WARNING", logger="weightstore"):
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while "waiting for its publish lock" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            said = caplog.text
+            os.kill(stopped.pid, signal.SIGCONT)
+            waiting.join(60)
+        out, error = stopped.communicate(timeout=60)
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()
+    assert "waiting for its publish lock" in said, said
+    assert f"pid {gone}" not in said and "held by a process that does not say who" in said, said
+    assert stopped.returncode == 0 and out.split() == ["2"], error
+    assert outcome and "got its publish lock after waiting" in caplog.text
+
+
 def test_a_publish_whose_lock_cannot_be_opened_is_a_write_error_naming_the_folder(tmp_path):
     """A lock file the system will not open (a read-only file system, here a folder squatting on
     the name) was a bare OSError out of ws.publish, which no ``except WeightStoreError`` catches."""
