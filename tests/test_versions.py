@@ -915,6 +915,23 @@ def test_cli_follow(tmp_path, cli):
     assert watch.max_poll <= threading.TIMEOUT_MAX
 
 
+@pytest.mark.parametrize("name", ["r\x1b[31mun", "r\nun", "r\u202eun"], ids=["escape", "newline", "right-to-left"])
+def test_ws_follow_prints_a_folder_of_odd_characters_as_one_line_that_names_no_other_folder(tmp_path, name):
+    """``ws follow`` printed a version's path raw: a terminal's escape sequence in the folder's name
+    was stripped (click drops them from what goes to a pipe), and the line named ``run/…``, another
+    folder a script would load; a newline made two lines of one version. Its control characters are
+    escaped as every other command shows a path; ``--json`` gives the path exactly."""
+    folder = tmp_path / name
+    ws.publish(folder, weights_at(1), step=1)
+    (tmp_path / "run").mkdir()  # the folder the stripped name named
+    ws_follow = [sys.executable, "-m", "weightstore", "follow", str(folder), "--timeout", "0"]
+    shown = subprocess.run(ws_follow, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"1\t{str(folder / 'step-000000000001.npz').encode('unicode_escape').decode()}"]
+    exact = subprocess.run([*ws_follow, "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(exact.stdout)["path"] == str(folder / "step-000000000001.npz")
+
+
 def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):
     """The installed command: exit 1 naming the folder, not silence until --timeout (or forever)."""
     missing = tmp_path / "typo"
