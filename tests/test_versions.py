@@ -932,6 +932,30 @@ def test_ws_follow_prints_a_folder_of_odd_characters_as_one_line_that_names_no_o
     assert json.loads(exact.stdout)["path"] == str(folder / "step-000000000001.npz")
 
 
+def test_ws_follow_of_a_folder_deleted_while_followed_says_so_and_takes_its_new_run(tmp_path):
+    """A followed folder deleted (a run started over in it) was waited on in silence, which looks
+    like a hang, and the new run's step 1, the step ``ws follow`` had printed last, was never
+    printed: a server fed by it kept the old run's weights. The removal is said once; the new
+    run's first version is printed, whatever its step."""
+    folder = tmp_path / "run"
+    ws.publish(folder, weights_at(1), step=1)
+    following = subprocess.Popen([sys.executable, "-m", "weightstore", "follow", str(folder), "--poll", "0.02",
+                                  "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert following.stdout.readline().split() == ["1", str(folder / "step-000000000001.npz")]
+        shutil.rmtree(folder)
+        said = following.stderr.readline()  # LATEST, or the folder too where it was gone by that look
+        assert said.startswith(f"weightstore: following {folder}: ") and said.endswith(
+            " was removed; waiting for a version to be published\n"), said
+        ws.publish(folder, weights_at(2), step=1)  # the new run's first version
+        assert following.stdout.readline().split() == ["1", str(folder / "step-000000000001.npz")]
+        assert "step 1 was published anew" in following.stderr.readline()
+    finally:
+        following.kill()
+        following.communicate(timeout=60)
+    assert_whole(ws.load(ws.latest(folder)), 2)
+
+
 def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):
     """The installed command: exit 1 naming the folder, not silence until --timeout (or forever)."""
     missing = tmp_path / "typo"
