@@ -31,7 +31,8 @@ reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.chec
 before each read, and an open store's next read then refuses cleanly. Any reader that maps a
 file itself holds a guard made at open (``SizeGuard(fileno, size, path)``). Faulting a stretch
 in ahead of the reader is safe even so: the kernel refuses to populate a page past the end
-(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse.
+(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse; a
+read that waited for its pieces checks the size again after the wait, which may be long.
 """
 
 from __future__ import annotations
