@@ -956,6 +956,37 @@ def test_ws_follow_of_a_folder_deleted_while_followed_says_so_and_takes_its_new_
     assert_whole(ws.load(ws.latest(folder)), 2)
 
 
+@pytest.mark.parametrize("planted", ["link-loop", "unreadable"])
+def test_an_intent_record_that_cannot_be_opened_fails_no_reader_and_a_publish_names_it(tmp_path, planted):
+    """``.publishing`` a link to itself (or another user's file this one may not read): ``ws verify``
+    of the folder exited 2 on it, though no reader needs the record (readers go by ``LATEST``),
+    and a FIFO, a folder or a link out of the folder there failed nothing. It is read as no
+    intent, as those are: every version above ``LATEST`` is kept. A publish replaces an
+    unreadable file; through a link it never writes, and says so."""
+    folder = tmp_path / "run"
+    ws.publish(folder, weights_at(1), step=1)
+    intent = folder / ".publishing"
+    if planted == "link-loop":
+        intent.symlink_to(".publishing")
+    else:
+        intent.write_text("{}")
+        intent.chmod(0)
+    ws_verify = [sys.executable, "-m", "weightstore", "verify", str(folder)]
+    if os.geteuid() == 0:  # root reads any file; without the capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        ws_verify = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *ws_verify]
+    verified = subprocess.run(ws_verify, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert verified.returncode == 0 and "step-000000000001.npz: ok" in verified.stdout, verified.stderr
+    if planted == "link-loop":
+        with pytest.raises(ws.TargetError, match=re.escape(f"{intent}: is a symbolic link")):
+            ws.publish(folder, weights_at(2), step=2)
+        intent.unlink()
+    assert ws.publish(folder, weights_at(2), step=2).step == 2
+    assert not intent.exists() and not intent.is_symlink()
+
+
 def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):
     """The installed command: exit 1 naming the folder, not silence until --timeout (or forever)."""
     missing = tmp_path / "typo"
