@@ -31,6 +31,9 @@ def main() -> None:
     except KeyboardInterrupt:  # typer building the command, before the command's own handling answers
         sys.stderr.write("interrupted\n")
         raise SystemExit(INTERRUPTED) from None
+    except SystemExit as done:  # how every command ends
+        _end_at_once_from_now_on(done.code)
+        raise
 
 
 def starting_as_module() -> None:
@@ -57,6 +60,21 @@ def _exit_at_once_while_starting() -> bool:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _exit_at_once)
     return signal.getsignal(signal.SIGINT) is _exit_at_once
+
+
+def _end_at_once_from_now_on(code: object) -> None:
+    """The command has ended and said so; what is left is Python's exit, which joins the threads
+    of weightstore's pools (one perhaps in a read of a slow mount, for seconds). A Ctrl-C there
+    printed a traceback of the join: from now on it ends the process at once, with the command's
+    status, what it printed flushed first."""
+    if not (code is None or isinstance(code, int)) or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+    import contextlib  # imported by the command already: none of the start's cost
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone, or the stream closed: nothing can reach it
+            stream.flush()
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code or 0))
 
 
 def _exit_at_once(signum: int, frame: object) -> None:

@@ -105,6 +105,9 @@ def follow(
 ) -> None:
     """Print each new version of FOLDER as it lands (the latest one first), one per line.
 
+    A path's control characters are shown escaped (\\n, \\x1b), as ws ls shows them; --json
+    gives each path exactly.
+
     A FOLDER that does not exist is refused (exit 1, naming it): a mistyped path would
     otherwise wait forever. Pass --wait when it is only not there yet (a trainer about to
     publish its first version). A folder with no version yet, or none above --after, is
@@ -137,8 +140,8 @@ def follow(
         if as_json:  # a stream: one object per line, so a reader can act on each as it lands
             typer.echo(json.dumps({"command": "follow", "ok": True, "step": version.step, "path": version.path,
                                    "created": version.created, "metadata": version.metadata}, ensure_ascii=False))
-        else:
-            typer.echo(f"{version.step}\t{version.path}")
+        else:  # escaped as every command shows a path: raw, a newline splits the line and click strips a
+            typer.echo(f"{version.step}\t{printable(version.path)}")  # terminal's escapes, naming another folder
 
 
 def _say_what_it_waits_for(folder: str, after: int | None, named: int | None) -> None:

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from weightstore.adapters import torch as torch_adapter  # noqa: E402
 from weightstore.adapters.serving.follower import Follower  # noqa: E402
 from weightstore.io.folders import folder_for  # noqa: E402
+from weightstore.sync import _stages as stages  # noqa: E402
 
 BUCKET = "weightstore-delta-follower"
 
@@ -102,17 +103,25 @@ def test_a_held_copy_that_does_not_rebuild_falls_back_to_the_anchor(tmp_path, ca
         assert follower.error is None
 
 
-def test_a_corrupt_delta_is_passed_over_and_the_weights_stay(tmp_path):
+def test_a_corrupt_delta_is_passed_over_and_the_weights_stay(tmp_path, monkeypatch):
+    """The delta is damaged before ``LATEST`` names it: damaged after, a follower polling every
+    0.05 s could take step 3 whole between the publish and the damage."""
     target, rng, delta = module(), np.random.default_rng(3), ws.Delta()
     weights = {key: np.array(value) for key, value in torch_adapter.export(module()).items()}
+    path = tmp_path / "step-000000000003.wsdelta"
+
+    def damage(stage: str) -> None:
+        if stage == "version-written" and path.exists():
+            data = bytearray(path.read_bytes())
+            data[-3] ^= 0xFF
+            path.write_bytes(bytes(data))
+
     with Follower(target, tmp_path, poll=0.05) as follower:
         weights = run(tmp_path, target, [1, 2], weights, rng, delta, follower)
-        bad = step_of(weights, rng)
-        version = ws.publish(tmp_path, bad, step=3, delta=delta)
-        path = Path(version.path)
-        data = bytearray(path.read_bytes())
-        data[-3] ^= 0xFF
-        path.write_bytes(bytes(data))
+        monkeypatch.setattr(stages, "hook", damage)
+        version = ws.publish(tmp_path, step_of(weights, rng), step=3, delta=delta)
+        monkeypatch.setattr(stages, "hook", None)
+        assert Path(version.path) == path
         with pytest.raises(ws.WeightStoreError):
             follower.wait(3, timeout=30)
         same(held_by(target), weights)  # still step 2's, whole

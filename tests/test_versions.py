@@ -646,6 +646,85 @@ def test_a_publish_into_a_folder_whose_lock_file_another_user_made_takes_the_loc
     assert ws.latest(tmp_path).step == 2
 
 
+STOPPED_HOLDING_ANOTHER_USERS_LOCK = textwrap.dedent("""
+    import os, signal, sys
+
+    import numpy as np
+
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGSTOP)
+    print(ws.publish(sys.argv[1], {"w": np.ones(2, np.float32)}, step=2).step)
+""")
+
+
+KILLED_HOLDING_THE_LOCK = textwrap.dedent("""
+    import os, signal, sys
+
+    import numpy as np
+
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+
+    ws.publish(sys.argv[1], {"w": np.zeros(2, np.float32)}, step=1)
+    stages.hook = lambda name: name == "version-temporary" and os.kill(os.getpid(), signal.SIGKILL)
+    ws.publish(sys.argv[1], {"w": np.ones(2, np.float32)}, step=2)
+""")
+
+
+@pytest.mark.parametrize("last", ["released", "killed"])
+def test_a_publish_waiting_on_a_lock_its_holder_could_not_write_in_names_no_other_process(tmp_path, caplog, last):
+    """A publisher holding ``.publish.lock`` read-only (another user's file) cannot write its name
+    in it: a publish waiting for it said the lock was held by the last process that wrote the
+    file (this very process, its publish long done; or one killed holding the lock), sending
+    whoever read the warning after the wrong process. It says the holder does not say who."""
+    if last == "released":
+        ws.publish(tmp_path, {"w": np.zeros(2, np.float32)}, step=1)
+        gone = os.getpid()
+    else:
+        killed = subprocess.run([sys.executable, "-c", KILLED_HOLDING_THE_LOCK, str(tmp_path)], timeout=120,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert killed.returncode == -signal.SIGKILL
+        gone = int((tmp_path / ".publish.lock").read_text().split(" pid ")[1].split(",")[0])
+    (tmp_path / ".publish.lock").chmod(0o444)  # as a file of another user's is to this one
+    command = [sys.executable, "-c", STOPPED_HOLDING_ANOTHER_USERS_LOCK, str(tmp_path)]
+    if os.geteuid() == 0:  # root writes any file; without the capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    stopped = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    outcome: list = []
+    try:
+        _, status = os.waitpid(stopped.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), stopped.stderr.read()
+        def publish() -> None:
+            try:
+                outcome.append(ws.publish(tmp_path, weights_at(3), step=3))
+            except ws.PublishError as exc:  # released: this process published step 1, and the other took over
+                outcome.append(exc)
+
+        waiting = threading.Thread(target=publish)
+        with caplog.at_level("WARNING", logger="weightstore"):
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while "waiting for its publish lock" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            said = caplog.text
+            os.kill(stopped.pid, signal.SIGCONT)
+            waiting.join(60)
+        out, error = stopped.communicate(timeout=60)
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait()
+    assert "waiting for its publish lock" in said, said
+    assert f"pid {gone}" not in said and "held by a process that does not say who" in said, said
+    assert stopped.returncode == 0 and out.split() == ["2"], error
+    assert outcome and "got its publish lock after waiting" in caplog.text
+
+
 def test_a_publish_whose_lock_cannot_be_opened_is_a_write_error_naming_the_folder(tmp_path):
     """A lock file the system will not open (a read-only file system, here a folder squatting on
     the name) was a bare OSError out of ws.publish, which no ``except WeightStoreError`` catches."""
@@ -834,6 +913,78 @@ def test_cli_follow(tmp_path, cli):
         assert CliRunner().invoke(cli, ["follow", str(tmp_path), "--poll", poll]).exit_code == 2
     watch = versions.PointerWatch(folder_for(tmp_path), poll=3e9)  # 4x would be past what a wait takes
     assert watch.max_poll <= threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("name", ["r\x1b[31mun", "r\nun", "r\u202eun"], ids=["escape", "newline", "right-to-left"])
+def test_ws_follow_prints_a_folder_of_odd_characters_as_one_line_that_names_no_other_folder(tmp_path, name):
+    """``ws follow`` printed a version's path raw: a terminal's escape sequence in the folder's name
+    was stripped (click drops them from what goes to a pipe), and the line named ``run/…``, another
+    folder a script would load; a newline made two lines of one version. Its control characters are
+    escaped as every other command shows a path; ``--json`` gives the path exactly."""
+    folder = tmp_path / name
+    ws.publish(folder, weights_at(1), step=1)
+    (tmp_path / "run").mkdir()  # the folder the stripped name named
+    ws_follow = [sys.executable, "-m", "weightstore", "follow", str(folder), "--timeout", "0"]
+    shown = subprocess.run(ws_follow, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [f"1\t{str(folder / 'step-000000000001.npz').encode('unicode_escape').decode()}"]
+    exact = subprocess.run([*ws_follow, "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(exact.stdout)["path"] == str(folder / "step-000000000001.npz")
+
+
+def test_ws_follow_of_a_folder_deleted_while_followed_says_so_and_takes_its_new_run(tmp_path):
+    """A followed folder deleted (a run started over in it) was waited on in silence, which looks
+    like a hang, and the new run's step 1, the step ``ws follow`` had printed last, was never
+    printed: a server fed by it kept the old run's weights. The removal is said once; the new
+    run's first version is printed, whatever its step."""
+    folder = tmp_path / "run"
+    ws.publish(folder, weights_at(1), step=1)
+    following = subprocess.Popen([sys.executable, "-m", "weightstore", "follow", str(folder), "--poll", "0.02",
+                                  "--timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert following.stdout.readline().split() == ["1", str(folder / "step-000000000001.npz")]
+        shutil.rmtree(folder)
+        said = following.stderr.readline()  # LATEST, or the folder too where it was gone by that look
+        assert said.startswith(f"weightstore: following {folder}: ") and said.endswith(
+            " was removed; waiting for a version to be published\n"), said
+        ws.publish(folder, weights_at(2), step=1)  # the new run's first version
+        assert following.stdout.readline().split() == ["1", str(folder / "step-000000000001.npz")]
+        assert "step 1 was published anew" in following.stderr.readline()
+    finally:
+        following.kill()
+        following.communicate(timeout=60)
+    assert_whole(ws.load(ws.latest(folder)), 2)
+
+
+@pytest.mark.parametrize("planted", ["link-loop", "unreadable"])
+def test_an_intent_record_that_cannot_be_opened_fails_no_reader_and_a_publish_names_it(tmp_path, planted):
+    """``.publishing`` a link to itself (or another user's file this one may not read): ``ws verify``
+    of the folder exited 2 on it, though no reader needs the record (readers go by ``LATEST``),
+    and a FIFO, a folder or a link out of the folder there failed nothing. It is read as no
+    intent, as those are: every version above ``LATEST`` is kept. A publish replaces an
+    unreadable file; through a link it never writes, and says so."""
+    folder = tmp_path / "run"
+    ws.publish(folder, weights_at(1), step=1)
+    intent = folder / ".publishing"
+    if planted == "link-loop":
+        intent.symlink_to(".publishing")
+    else:
+        intent.write_text("{}")
+        intent.chmod(0)
+    ws_verify = [sys.executable, "-m", "weightstore", "verify", str(folder)]
+    if os.geteuid() == 0:  # root reads any file; without the capabilities that let it, as a user would
+        if shutil.which("setpriv") is None:
+            pytest.skip("run as root, and no setpriv to drop the capabilities that skip permission checks")
+        ws_verify = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *ws_verify]
+    verified = subprocess.run(ws_verify, capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert verified.returncode == 0 and "step-000000000001.npz: ok" in verified.stdout, verified.stderr
+    if planted == "link-loop":
+        with pytest.raises(ws.TargetError, match=re.escape(f"{intent}: is a symbolic link")):
+            ws.publish(folder, weights_at(2), step=2)
+        intent.unlink()
+    assert ws.publish(folder, weights_at(2), step=2).step == 2
+    assert not intent.exists() and not intent.is_symlink()
 
 
 def test_ws_follow_of_a_missing_folder_says_so_unless_told_to_wait(tmp_path):

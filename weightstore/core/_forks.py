@@ -5,6 +5,10 @@ work in the child and never runs it, so whoever waits for that work (a copy, a p
 interpreter at exit) waits forever; and a lock a parent thread held at the fork stays held.
 Every pool of the library is a :class:`Pool`, made on first use and forgotten in a child, which
 makes its own when it needs one; other state is reset through :func:`in_child`.
+
+A pool whose jobs are only advice (fetching pages ahead of a reader) drops those not started
+when the interpreter exits: it would otherwise run every one before exiting, on a slow or hung
+mount for minutes or forever, for a reader that is gone.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ __all__ = ["Pool", "in_child"]
 
 R = TypeVar("R")
 
+#: registers a call made at exit before the interpreter joins the pools' threads (the hook
+#: ``concurrent.futures`` itself exits by; the public ``atexit`` runs only after the join)
+_before_join: Callable[[Callable[[], object]], object] | None = getattr(threading, "_register_atexit", None)
+
 
 def in_child(reset: Callable[[], object]) -> None:
     """Call ``reset()`` in every child forked from now on (nothing where processes do not fork)."""
@@ -28,12 +36,22 @@ def in_child(reset: Callable[[], object]) -> None:
 
 class Pool:
     """A ``ThreadPoolExecutor`` of ``threads`` threads named ``name``, made on the first
-    :meth:`submit` in this process: a child forked after its parent used it makes its own."""
+    :meth:`submit` in this process: a child forked after its parent used it makes its own.
+    ``advice``: its jobs only save a later wait, and those not started are dropped at exit."""
 
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str, *, advice: bool = False):
         self._threads, self._name = threads, name
         self._forget()
         in_child(self._forget)
+        if advice and _before_join is not None:
+            _before_join(self._drop_queued)
+
+    def _drop_queued(self) -> None:
+        """Cancel the jobs no thread has started (those running finish): called as the
+        interpreter exits, before it joins the threads. A job handed in later runs in its caller."""
+        pool = self._pool
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _forget(self) -> None:
         self._lock = threading.Lock()

@@ -31,7 +31,8 @@ reader of a mapped file calls :meth:`SizeGuard.check` (through ``ByteSource.chec
 before each read, and an open store's next read then refuses cleanly. Any reader that maps a
 file itself holds a guard made at open (``SizeGuard(fileno, size, path)``). Faulting a stretch
 in ahead of the reader is safe even so: the kernel refuses to populate a page past the end
-(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse.
+(``EFAULT``, where a touch raises SIGBUS), and that piece is left for the read to refuse; a
+read that waited for its pieces checks the size again after the wait, which may be long.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ READ_AHEAD = 64 << 20
 #: bytes a mapped file's open reads for the index (:meth:`MappedFile.start`): the npz index of
 #: some 250 tensors, the safetensors header of some 700; a larger index is read from the map
 INDEX_WINDOW = 64 << 10
-_advisor = Pool(1, "weightstore-readahead")  # one thread: the advice queues, the disk reads in order
+_advisor = Pool(1, "weightstore-readahead", advice=True)  # one thread: the advice queues, the disk reads in order
 _CAN_ADVISE = hasattr(os, "posix_fadvise")  # not on macOS, whose own readahead must do
 #: a shorter stretch is left to the kernel's own read-ahead (128 KB by default): handing it to
 #: the advice thread cost the open of a 100 KB file 4 ms of thread hand-off on a busy machine,
@@ -276,6 +277,9 @@ class MappedFile(_LocalFile):
             return memoryview(b"")
         if self._pieces:
             self._wait_populated(offset, length)
+            # the reader checked the size before this wait, which may have been long: a file cut
+            # in place meanwhile would kill the process (SIGBUS) at the first byte past its end
+            self._guard.check(f"bytes {offset}..{offset + length}")
         return memoryview(mapping)[offset : offset + length]
 
     def _wait_populated(self, offset: int, length: int) -> None:
@@ -334,7 +338,7 @@ class MappedFile(_LocalFile):
 
 #: a stretch is populated in pieces of this size, two at a time (:data:`_populators`)
 _POPULATE_PIECE = 8 << 20
-_populators = Pool(2, "weightstore-populate")  # pieces start in order, the next while one waits for the disk
+_populators = Pool(2, "weightstore-populate", advice=True)  # pieces start in order, the next while one waits for the disk
 _populates = True  # False once the kernel refused to populate a map (older than 5.14): advice instead
 
 

@@ -427,7 +427,11 @@ class LocalFolder(Folder):
                 _take_lock(fd, self.where)
             except OSError as exc:  # NFS emulates flock by fcntl locks, which a read-only descriptor may not take
                 raise _unlockable(exc, self.where) from None
-            yield
+            try:
+                yield
+            finally:  # its words go with the lock: a next holder that may not write them leaves none of a gone process
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
         finally:  # unlocked, not only closed: a child forked meanwhile holds the lock through its copy of fd
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -456,8 +460,7 @@ def _take_lock(fd: int, where: str) -> None:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
             continue
-        said = os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace")
-        holder = "".join(c if c.isprintable() else " " for c in said).strip() or "a process that does not say who"
+        holder = _holder(os.pread(fd, _HOLDER_BYTES, 0).decode("utf-8", "replace"))
         _log.warning("%s: waiting for its publish lock (.publish.lock), held by %s; a publisher stopped while it "
                      "publishes (SIGSTOP, a suspended node) keeps it until it goes on or is killed", where, holder)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -466,6 +469,31 @@ def _take_lock(fd: int, where: str) -> None:
     with contextlib.suppress(OSError):  # a lock file it may not write still locks: only the words are lost
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {_iso(time.time())}".encode(), 0)
+
+
+def _holder(said: str) -> str:
+    """Who holds the lock, from what ``.publish.lock`` says: its holder's words (``host pid N,
+    since …``), unless they name a process of this host that is gone. A holder that may not write
+    the file (another user's, taken read-only) says nothing, and finds there the words of the last
+    holder killed while it held the lock (others take theirs away as they let go of it)."""
+    words = "".join(c if c.isprintable() else " " for c in said).strip()
+    host, _, rest = words.partition(" pid ")
+    pid = rest.split(",")[0]
+    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+        words = ""
+    return words or ("a process that does not say who (one that may not write .publish.lock, another user's "
+                     "file, cannot)")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host still runs (one of another user's does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's
+        return True
+    return True
 
 
 def _unlockable(exc: OSError, where: str) -> WriteError:

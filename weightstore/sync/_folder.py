@@ -18,6 +18,7 @@ from typing import Any
 from weightstore.core import _jsontext as jsontext
 from weightstore.core.limits import MAX_POINTER_BYTES, MAX_V1_INDEX_BYTES, POINTER_BYTES_PER_CONTAINER
 from weightstore.errors import (
+    FileAccessError,
     FormatError,
     PublishError,
     StoreNotFoundError,
@@ -250,10 +251,12 @@ def intent_bytes(step: int, name: str) -> bytes:
 
 def _read_intent(folder: Folder) -> tuple[int | None, object]:
     """The step a killed (or failed) publish was writing, and the process that wrote it, from its
-    intent record (a writer ``None`` where it does not say); ``(None, None)`` when there is none."""
+    intent record (a writer ``None`` where it does not say); ``(None, None)`` when there is none,
+    or none this process can open (a link to itself, another user's file): no version is then a
+    killed publish's, so every one above ``LATEST`` is kept, and a reader needs none."""
     try:
         data = folder.read_small(INTENT, 4096)
-    except TargetError:
+    except (TargetError, FileAccessError):
         return None, None
     try:
         record = jsontext.loads(data, what=INTENT, min_bytes=POINTER_BYTES_PER_CONTAINER) if data else None

@@ -73,7 +73,8 @@ def follow(
     still kept are not yielded); versions published while the caller was busy are skipped in
     favour of the newest. A ``LATEST`` that goes back below the last version yielded (the folder
     made anew by a run that started over, or restored from a backup) is followed, with a
-    logged warning: it names what the folder now serves. Stops after ``timeout`` seconds
+    logged warning: it names what the folder now serves; so is a ``LATEST`` removed (the folder
+    deleted: said once) and published again at the step last yielded. Stops after ``timeout`` seconds
     without a new version (``None``: never). A version pruned between reading ``LATEST`` and
     opening it is retried at once; ``LATEST`` naming a file that stays missing raises
     :class:`StoreNotFoundError`. A version whose file is damaged (it does not open: truncated,
@@ -197,6 +198,9 @@ class PointerWatch:
         self.unreadable: int | None = None
         #: the step ``LATEST`` named when last read (``None``: no ``LATEST``)
         self.named: int | None = None
+        #: ``LATEST`` was removed (the folder deleted) since a look read it: the next version is of a folder
+        #: made anew, taken even at the step last taken (a run started over publishes its steps again)
+        self._removed = False
         self.wake = None
         check_notifications(source, notifications)
         if notifications is not None:
@@ -259,8 +263,11 @@ class PointerWatch:
         gone = None
         while True:
             version = read_latest(self.source)
+            if version is None and self.named is not None:
+                self._said_removed()
             self.named = None if version is None else version.step
-            if version is None or (last is not None and (version.step == last if back else version.step <= last)):
+            anew = back and self._removed and version is not None and version.step == last
+            if version is None or (last is not None and not anew and (version.step == last if back else version.step <= last)):
                 return None
             went_back = last is not None and version.step < last  # only asked for with ``back``
             try:
@@ -281,7 +288,19 @@ class PointerWatch:
             if went_back:
                 _log.warning("weightstore: following %s: LATEST went back from step %d to %d (the folder was made "
                              "anew, or LATEST restored); following it", self.source.where, last, version.step)
+            elif anew:
+                _log.warning("weightstore: following %s: step %d was published anew since LATEST was removed (the "
+                             "folder made anew); following it", self.source.where, version.step)
+            self._removed = False
             return version
+
+    def _said_removed(self) -> None:
+        """``LATEST``, read at the last look, is gone: said once, as waiting in silence looks like a hang."""
+        removed = "the folder was removed" if isinstance(self.source, LocalFolder) and not self.source.exists() \
+            else "LATEST was removed"
+        _log.warning("weightstore: following %s: %s; waiting for a version to be published", self.source.where,
+                     removed)
+        self._removed = True
 
     def forget(self) -> None:
         """Read the pointer on the next look even if its tag did not change (its version went away)."""
