@@ -125,3 +125,29 @@ except ws.WeightStoreError as error:
     assert done.returncode == 0, (done.returncode, done.stderr)
     assert "refused: FormatError True " in done.stdout and "changed size since it was opened" in done.stdout, \
         done.stdout
+
+
+def test_a_thread_that_first_reads_a_store_as_the_interpreter_exits_reads_it(tmp_path):
+    """A program's thread (a server, a loader; no daemon, so the interpreter waits for it) may
+    first read a store after the main thread has returned: the readers' module, imported then,
+    made its pools, whose exit hook could no longer be registered (RuntimeError, "can't register
+    atexit after shutdown"), and the read failed. The exit is past that hook: the pools' jobs
+    run in their callers."""
+    script = """
+import sys, threading, time
+import numpy as np
+import weightstore as ws
+np.savez(sys.argv[1], w=np.arange(10, dtype=np.float32))
+assert "weightstore.io._local" not in sys.modules  # imported only by the thread, as the process exits
+
+def serve():
+    while threading.main_thread().is_alive():  # until the main thread has returned
+        time.sleep(0.01)
+    with ws.open(sys.argv[1]) as store:
+        print("read", store["w"].sum())
+
+threading.Thread(target=serve).start()
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "w.npz")], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "read 45.0\n", "")

@@ -956,6 +956,34 @@ def test_ws_follow_of_a_folder_deleted_while_followed_says_so_and_takes_its_new_
     assert_whole(ws.load(ws.latest(folder)), 2)
 
 
+def test_a_new_runs_damaged_version_at_the_step_last_taken_is_passed_over_once(tmp_path, caplog):
+    """A followed folder deleted and made anew whose first version, at the step last taken, does
+    not open: it is passed over with one warning, as any damaged version is. The follower kept
+    taking it for a version published anew, and opened it and warned again at every look (here
+    every 0.02 s; by default every 4 s, for as long as the run published nothing newer)."""
+    folder, made = tmp_path / "run", tmp_path / "made"
+    ws.publish(folder, weights_at(1), step=1)
+    os.truncate(ws.publish(made, weights_at(2), step=1).path, 10)  # the new run's step 1, damaged
+    taken: list[int] = []
+
+    def follow() -> None:
+        taken.extend(version.step for version in ws.follow(folder, poll=0.02, max_poll=0.02, timeout=2))
+
+    following = threading.Thread(target=follow)
+    with caplog.at_level("WARNING", logger="weightstore"):
+        following.start()
+        deadline = time.monotonic() + 30
+        while not taken and time.monotonic() < deadline:
+            time.sleep(0.01)
+        shutil.rmtree(folder)
+        while "was removed" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.rename(made, folder)  # the new run, whole at once
+        following.join(60)
+    assert not following.is_alive() and taken == [1]
+    assert "was removed" in caplog.text and caplog.text.count("passing over version 1") == 1, caplog.text
+
+
 @pytest.mark.parametrize("planted", ["link-loop", "unreadable"])
 def test_an_intent_record_that_cannot_be_opened_fails_no_reader_and_a_publish_names_it(tmp_path, planted):
     """``.publishing`` a link to itself (or another user's file this one may not read): ``ws verify``

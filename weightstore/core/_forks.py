@@ -13,6 +13,7 @@ mount for minutes or forever, for a reader that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -44,7 +45,10 @@ class Pool:
         self._forget()
         in_child(self._forget)
         if advice and _before_join is not None:
-            _before_join(self._drop_queued)
+            # made as the interpreter exits (its module first imported by a thread it waits for), the hook
+            # is refused: that exit is past it, and the pools take no more work (jobs run in their callers)
+            with contextlib.suppress(RuntimeError):
+                _before_join(self._drop_queued)
 
     def _drop_queued(self) -> None:
         """Cancel the jobs no thread has started (those running finish): called as the

@@ -272,8 +272,8 @@ class PointerWatch:
             went_back = last is not None and version.step < last  # only asked for with ``back``
             try:
                 version.pin(holding)
-            except FormatError:
-                self.unreadable = version.step
+            except FormatError:  # passed over as a version taken is: the run made anew was seen
+                self.unreadable, self._removed = version.step, False
                 raise
             except VersionGoneError:
                 if gone == version.step and went_back:
