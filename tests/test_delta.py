@@ -1377,6 +1377,80 @@ def test_a_delta_written_while_the_same_delta_publishes_elsewhere_reads_back(tmp
     same_bytes(ws.load(found[0]), steps[1])
 
 
+def sparse_steps(rng: np.random.Generator, count: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """``count`` versions of two bf16 kernels (2% of their elements move by their last bit: a
+    sparse delta, no XOR tried) and a tensor that never changes."""
+    weights = {"kernel": rng.standard_normal((256, 300)).astype(ml_dtypes.bfloat16),
+               "embed": rng.standard_normal((1000, 64)).astype(ml_dtypes.bfloat16),
+               "still": np.full(500, seed, np.float32)}
+    steps = [weights]
+    for _ in range(count - 1):
+        weights = dict(weights)
+        for key in ("kernel", "embed"):
+            bits = weights[key].view(np.uint16).copy()
+            bits.reshape(-1)[rng.choice(bits.size, bits.size // 50, replace=False)] ^= 1
+            weights[key] = bits.view(ml_dtypes.bfloat16)
+        steps.append(weights)
+    return steps
+
+
+def test_a_sparse_deltas_changes_are_applied_to_the_remembered_copy_not_copied_whole(tmp_path):
+    """After a sparse delta the publisher's copy of its base is made the new version by the
+    delta's own changes (an unchanged tensor kept as it is), not by a copy of every tensor: it
+    holds the version just published, and each next delta, encoded against it, reads back."""
+    planner = ws.Delta(anchor_every=20)
+    for step, weights in enumerate(sparse_steps(np.random.default_rng(21), 5, 0), start=1):
+        version = ws.publish(tmp_path, weights, step=step, delta=planner)
+        if step > 2:  # the first delta's codecs are those of estimates, of samples
+            assert {key: codec for key, (codec, _) in planner._last_codecs.items()} == {
+                "kernel": "sparse", "embed": "sparse", "still": "same"}, step
+        held = planner._held
+        assert held is not None and held.current, step
+        same_bytes({key: item.array() for key, item in held.tensors.items()}, weights)
+        same_bytes(ws.load(version), weights)
+
+
+def test_a_sparse_delta_remembered_after_another_version_took_the_memory_copies_whole(tmp_path):
+    """Two publishes given one ``Delta`` overlap: the second (another folder, other weights)
+    remembers its version in the copy the first encoded its sparse delta against (no payload
+    made in it), before the first finishes. The first must then copy its version whole, not
+    apply its changes to the other's bytes: its next delta, encoded against it, reads back."""
+    import threading
+
+    from weightstore.sync import _stages as stages
+
+    planner = ws.Delta(anchor_every=20)
+    steps = sparse_steps(np.random.default_rng(22), 4, 0)
+    other = sparse_steps(np.random.default_rng(23), 1, 1)[0]
+    for step in (1, 2):  # the first delta's codecs come from estimates
+        ws.publish(tmp_path / "a", steps[step - 1], step=step, delta=planner)
+    encoded, release = threading.Event(), threading.Event()
+
+    def hold(name: str) -> None:
+        if name == "locked" and threading.current_thread().name == "first":
+            encoded.set()
+            release.wait(60)
+
+    found: list[ws.Version] = []
+    first = threading.Thread(target=lambda: found.append(ws.publish(tmp_path / "a", steps[2], step=3, delta=planner)),
+                             name="first")
+    stages.hook = hold
+    try:
+        first.start()
+        assert encoded.wait(60)
+        ws.publish(tmp_path / "b", other, step=1, delta=planner)  # remembered while the first is held
+    finally:
+        release.set()
+        first.join(60)
+        stages.hook = None
+    assert found and found[0].path.endswith(".wsdelta")
+    assert {codec for codec, _ in planner._last_codecs.values()} == {"sparse", "same"}
+    version = ws.publish(tmp_path / "a", steps[3], step=4, delta=planner)
+    assert version.path.endswith(".wsdelta")
+    same_bytes(ws.load(found[0]), steps[2])
+    same_bytes(ws.load(version), steps[3])
+
+
 @pytest.mark.parametrize(("change", "codec"), [("dense", "xor-top"), ("xor", "xor-zstd"), ("raw", "raw")])
 def test_an_xor_encode_gives_the_crc_of_the_new_bytes_it_took_in_passing(change, codec):
     """A tensor XOR-ed in blocks is checksummed block by block as it is XOR-ed (the block in
