@@ -267,10 +267,6 @@ class Encoded:
     #: whether making it wrote into ``base`` (``spend=True``, an XOR in blocks was made): those
     #: bytes are no longer the base's, whichever codec was kept
     spent: bool = False
-    #: a :data:`SPARSE` tensor's changes, positions and XOR (:func:`_changes`), where ``base``
-    #: was not spent: a publisher applies them to its copy of the base (:func:`apply_changes`)
-    #: rather than copy the whole tensor into it
-    changes: tuple[np.ndarray, np.ndarray] | None = None
     #: the payload's bytes, added up once: a plan asks it of every tensor several times
     nbytes: int = field(init=False)
 
@@ -326,8 +322,6 @@ def encode(new: np.ndarray, base: np.ndarray | None, itemsize: int, *, dense: bo
         if best is None or xor.nbytes < best.nbytes:
             best = xor
         best.crc, best.spent = xor.crc, xor.spent
-    if best.codec == SPARSE and not best.spent:
-        best.changes = found
     return best if best.nbytes < nbytes else Encoded(RAW, [new], best.crc, best.spent)
 
 
@@ -412,8 +406,8 @@ def _split_planes(words: np.ndarray, planes: np.ndarray) -> None:
     cast to bytes as it is stored. Contiguous casts and shifts run on SIMD, where copying a
     strided column of bytes moves one at a time: 0.41 s/GB against 0.56 for 4-byte items, 0.25
     against 0.53 for 2. Shifted into each plane, not the words shifted in place a byte at a
-    time and each copied: 0.78x the CPU for a 4 MiB block of 4-byte items, and the words stay
-    whole (a sparse change's XOR, which its publisher applies to its copy of the base)."""
+    time and each copied (two passes a plane, not one): 0.78x the CPU for a 4 MiB block of
+    4-byte items (an fp32 step's XOR), and no copy of words that must stay as they are."""
     np.copyto(planes[0], words, casting="unsafe")  # the low byte: an unsafe cast truncates
     for byte in range(1, len(planes)):
         np.right_shift(words, 8 * byte, out=planes[byte], casting="unsafe")
@@ -1320,10 +1314,14 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
         raise FormatError("has sparse positions that are out of range or not increasing")
     at = where.view(np.int64)  # at most ``elements``: the same numbers, in place
     at -= 1
+    word = _UINTS.get(itemsize)
+    if word is not None and out.ctypes.data % itemsize == 0:  # as words: a row gather of bytes costs several times more
+        target, changes = out.view(word), np.ascontiguousarray(values).view(word).reshape(-1)
+    else:
+        target, changes = out.reshape(-1, itemsize), values
     if hasher is None:
-        apply_changes(out, itemsize, (at, values))
+        target[at] = np.bitwise_xor(target[at], changes)
         return
-    target, changes = _targets(out, itemsize, values)
     per = max(1, _HASH_PIECE // max(1, itemsize))
     bounds = np.searchsorted(at, np.arange(0, elements + per, per)).tolist()
     for index in range(-(-elements // per)):
@@ -1336,23 +1334,6 @@ def _apply_sparse(payload: memoryview, out: np.ndarray, itemsize: int, hasher: A
 
 #: bytes of a tensor a sparse change is applied to, then hashed, at a time: they stay in cache between
 _HASH_PIECE = 1 << 20
-
-
-def _targets(out: np.ndarray, itemsize: int, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``out`` (uint8) as items and ``values`` (XORs of items: words, or rows of bytes) to match:
-    as words where the items are, a row gather of bytes costing several times more."""
-    word = _UINTS.get(itemsize)
-    if word is not None and out.ctypes.data % itemsize == 0:
-        return out.view(word), np.ascontiguousarray(values).view(word).reshape(-1)
-    return out.reshape(-1, itemsize), np.ascontiguousarray(values).view(np.uint8).reshape(-1, itemsize)
-
-
-def apply_changes(out: np.ndarray, itemsize: int, changes: tuple[np.ndarray, np.ndarray]) -> None:
-    """XOR ``changes`` (positions, rising, and the XOR of each element: :attr:`Encoded.changes`,
-    or a sparse entry's, checked) into ``out``, a tensor's bytes: the base's made the new version's."""
-    at, values = changes
-    target, xored = _targets(out, itemsize, values)
-    target[at] = np.bitwise_xor(target[at], xored)
 
 
 def open_reader(location: Any, name: str, *, mmap: bool = True, chain: bool | str = True,

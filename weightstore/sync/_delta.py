@@ -116,9 +116,6 @@ class Plan:
     #: the remembered version's tensors whose memory the payload was made in (:meth:`Delta._claim`):
     #: the :class:`Delta`'s again once this plan is written
     spent: dict[str, Stored] | None = None
-    #: the remembered version it was encoded against, where no payload was made in its memory:
-    #: while that stays the one remembered, its tensors hold the base's bytes (:func:`_copies`)
-    base: _Held | None = None
 
     @property
     def payload_bytes(self) -> int:
@@ -278,7 +275,7 @@ class Delta:
                 if plan is None:  # the version is written full, and copied into this memory after
                     claimed.tensors = spent
                 else:  # nothing made in the copy (a sparse step's delta): still its version's, should this fail
-                    self._held = plan.base = held
+                    self._held = held
         return plan
 
     def _claim(self, held: _Held) -> _Held | None:
@@ -294,17 +291,14 @@ class Delta:
             self._held = replace(held, tensors={}, current=False)
             return self._held
 
-    def _memory(self, plan: Plan | None) -> tuple[dict[str, Stored], bool]:
+    def _memory(self, plan: Plan | None) -> dict[str, Stored]:
         """Memory for the next remembered version: what ``plan`` spent, else the remembered
-        version's (taken: whoever holds the tensors is their only user); and whether it holds
-        ``plan``'s base still, where no payload was made in it (nothing remembered since)."""
+        version's (taken: whoever holds the tensors is their only user)."""
         if plan is not None and plan.spent is not None:
-            return plan.spent, True
+            return plan.spent
         with self._memory_lock:
             held, self._held = self._held, None
-        if held is None:
-            return {}, False
-        return held.tensors, plan is not None and held is plan.base and held.current
+        return held.tensors if held is not None else {}
 
     def _anchor_due(self, chain_bytes: int, full_bytes: int) -> bool:
         """Whether the next version is written full unencoded: the size of the last delta this
@@ -340,11 +334,11 @@ class Delta:
                                  for row, item in zip(plan.rows, plan.encoded, strict=True)}
         if not self.remember:
             return
-        memory, based = self._memory(plan)
+        memory = self._memory(plan)
         if plan is not None and self._anchor_due(plan.head.chain_bytes, plan.head.full_bytes):
             held.tensors, held.current = memory, False
         else:
-            held.tensors = _copies(held.tensors, memory, plan if based else None)
+            held.tensors = _copies(held.tensors, memory)
         self._held = held
 
     def forget(self) -> None:
@@ -371,38 +365,20 @@ def _seen(target: Folder, files: dict[str, object]) -> dict[str, object]:
     return {name: target.fingerprint(name) if was is UNSEEN else was for name, was in files.items()}
 
 
-def _copies(tensors: dict[str, Stored], old: dict[str, Stored], plan: Plan | None = None) -> dict[str, Stored]:
+def _copies(tensors: dict[str, Stored], old: dict[str, Stored]) -> dict[str, Stored]:
     """Copies of ``tensors`` to remember (the caller may change its arrays once the publish
     returns), written into the buffers of ``old`` (the version remembered before) where they
     fit: the same memory each time, so no fresh pages to fault in (a copy into new memory
-    cost as much CPU as the XOR and zstd together). ``plan``: the delta just published, where
-    ``old`` holds its base's bytes still: a tensor it found unchanged is kept as it is, one
-    it stored sparse with at most one change per :data:`_APPLIED` bytes gets its changes, not
-    a copy of it whole."""
-    kept = {} if plan is None else {row[0]: item for row, item in zip(plan.rows, plan.encoded, strict=True)
-                                    if not item.spent and (item.codec == delta_format.SAME or (
-                                        item.changes is not None and len(item.changes[0]) * _APPLIED <= len(
-                                            tensors[row[0]].data)))}
+    cost as much CPU as the XOR and zstd together)."""
     copies = {}
     for key, item in tensors.items():
         reuse = old.get(key)
         if reuse is not None and len(reuse.data) == len(item.data):
-            found = kept.get(key)
-            if found is None:
-                np.copyto(reuse.data, item.data)
-            elif found.changes is not None:
-                delta_format.apply_changes(reuse.data, storage_dtype(item.dtype).itemsize, found.changes)
+            np.copyto(reuse.data, item.data)
             copies[key] = Stored(item.dtype, item.shape, reuse.data)
         else:
             copies[key] = Stored(item.dtype, item.shape, item.data.copy())
     return copies
-
-
-#: a tensor stored sparse with at most one change per this many bytes has its changes applied to
-#: the remembered copy (:func:`_copies`), one with more is copied whole: a copy moves 40 bytes a
-#: nanosecond, a change applied (gathered, XOR-ed, scattered) takes 1.8 ns (bf16, 768 KB: 2,700
-#: changes 0.3x the copy's time, 21,500 changes 2x)
-_APPLIED = 64
 
 
 def _same_kind(held: Stored | None, item: Stored) -> np.ndarray | None:
