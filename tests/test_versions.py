@@ -432,6 +432,7 @@ RACING_PUBLISHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 500 publishes in a process of their own
 def test_reader_racing_500_publishes_with_keep_2(tmp_path):
     ws.publish(tmp_path, weights_at(0), step=0, keep=2, metadata={"step": 0})
     env = dict(os.environ, PYTHONPATH=str(ROOT))
