@@ -47,7 +47,6 @@ WRONG = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # a mypy run
 def test_mypy_reports_wrong_calls_into_the_assign_skeleton(tmp_path):
     snippet = tmp_path / "wrong_calls.py"
     snippet.write_text(WRONG)
