@@ -129,6 +129,7 @@ def test_the_snapshot_is_let_go_once_its_publish_is_done(tmp_path, gate):
     assert ws.load(ws.latest(tmp_path))["t"].sum() == 512 * 1024
 
 
+@pytest.mark.slow  # eight publishes of 16 MB under tracemalloc
 def test_a_failed_attempt_holds_neither_its_snapshot_nor_its_delta_once_a_retry_published(tmp_path):
     """``last_error`` stays after an outage ends, and its traceback held the failed attempt's
     frames: its snapshot and a dense delta's payload (1x the model each, a 7B fp32 model's 28 GB

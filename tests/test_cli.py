@@ -1440,6 +1440,7 @@ def test_unknown_output_suffix_is_refused_before_anything_is_read(store, tmp_pat
     one_error_line(run("convert", store, tmp_path / name), "cannot tell which format")
 
 
+@pytest.mark.slow  # a ws process importing TensorFlow
 def test_tensorflow_logs_stay_out_whatever_the_environment_says(store, tmp_path):
     """Writing a TF checkpoint imports TensorFlow; its C++ lines must not reach stderr even when
     the shell asks TensorFlow for every log line."""

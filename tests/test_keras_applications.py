@@ -204,6 +204,7 @@ def test_resnet50_pitfalls_each_change_the_predictions(keras_resnet50, resnet50_
                              mapping=recipe.resnet50_mapping())
 
 
+@pytest.mark.slow  # a whole MobileNetV2 each way
 def test_mobilenet_v2_into_torchvisions_mobilenet_v2_as_the_recipe_says(mobilenet_v2_weights, mobilenet_v2_logits,
                                                                        images):
     net = recipe.match_mobilenet_v2(MobileNetV2())

@@ -54,6 +54,7 @@ def presets(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["single", "sharded"])
+@pytest.mark.slow  # a KerasHub model built each
 def test_a_preset_folder_assigns_as_from_preset_loads_it(presets, kind):
     folder = presets[kind]
     weights = "model.weights.h5" if kind == "single" else "model.weights.json"

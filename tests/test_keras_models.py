@@ -926,6 +926,7 @@ def test_a_legacy_keras_hdf5_file_whose_names_a_mapping_pairs_is_refused_naming_
     assert caught.value.missing == ["bn/bias"]
 
 
+@pytest.mark.slow  # members trained and saved
 def test_trained_keras_files_imported_by_scope_assign_into_an_ensemble_leaving_each_optimizer_out(tmp_path):
     """The ensembles job from the shell: each member's ``.keras`` (trained, so holding its Adam
     state) goes into one store by ``ws import --scope``, which puts that state under the member,

@@ -96,6 +96,7 @@ def test_a_publish_aborts_the_upload_a_publisher_killed_mid_way_left(s3, caplog)
     assert [version.step for version in ws.sync.list_versions(folder)] == [1, 3]
 
 
+@pytest.mark.slow  # ranks killed and relaunched
 def test_the_commit_of_a_relaunched_step_aborts_the_upload_a_killed_rank_left(s3, caplog):
     folder = f"s3://{BUCKET}/{uuid.uuid4().hex}"
     first = run(s3, RANK, folder, "0", "0")

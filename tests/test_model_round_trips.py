@@ -145,6 +145,7 @@ def test_pytorch_to_keras_and_back_predicts_the_same(name):
 
 
 @pytest.mark.parametrize("name", [name for name, (*_, flax_model, _) in MODELS.items() if flax_model])
+@pytest.mark.slow  # Flax's compile of each model
 def test_pytorch_to_flax_predicts_the_same(name):
     make_torch, _, make_flax, shape = MODELS[name]
     source = trained_like(make_torch())

@@ -58,6 +58,7 @@ def test_a_background_publish_rides_out_an_outage(s3, outage):
     np.testing.assert_array_equal(ws.load(ws.latest(folder))["dense/kernel"], weights(2)["dense/kernel"])
 
 
+@pytest.mark.slow  # an outage waited out
 def test_the_end_of_an_outage_is_logged_once_as_its_start_is(s3, outage, caplog):
     """A log that ends on "failed; retrying" leaves whoever reads it wondering whether the run's
     weights ever arrived: the first version written after the outage says so, once."""

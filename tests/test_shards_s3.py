@@ -110,6 +110,7 @@ def chunk(rows, rank, world):
 #: to. A block floor of 8 KiB makes 17 of them fetch 1.15x (15: 1.16x; 3 or 5 of 4 writers stay
 #: under 1.1x), and 15 readers would add 750 requests to moto for no case 17 misses
 @pytest.mark.parametrize(("world", "counts"), [(2, (1, 3)), (4, (3, 5)), (16, (17,))], ids=["2", "4", "16"])
+@pytest.mark.slow  # up to 17 readers on S3
 def test_readers_of_another_world_size_fetch_their_share(server, folder, world, counts):
     """FSDP2-style writers (each tensor by its first axis), read back by world + 1 and world - 1
     readers (``counts``): each fetches at most 1.1x its share of member bytes (the issue saw

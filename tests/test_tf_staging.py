@@ -275,6 +275,7 @@ def tf_only(tmp_path_factory):
     (FIRST_ASSIGN, ""), (FIRST_ASSIGN_TF1, "initializers"),
     pytest.param(FIRST_ASSIGN_TF1, "fed", marks=pytest.mark.skipif(not _glibc(), reason="glibc's heap")),
 ], ids=["tf2", "tf1", "tf1-fed-heap-arrays"])
+@pytest.mark.slow  # a TensorFlow process each
 def test_the_first_assign_in_a_process_does_not_keep_a_second_model(tf_only, tmp_path, script, start):
     """Run in a process forked from one that imported TensorFlow (:func:`tf_only`): a process
     whose first assign it is, without a TensorFlow import per case."""

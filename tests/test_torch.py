@@ -542,6 +542,7 @@ def test_example_tf1_to_torch_serves_without_tensorflow(tmp_path):
     assert "TensorFlow imported in this process: False" in done.stdout
 
 
+@pytest.mark.slow  # torch.compile and DDP in a process of their own
 def test_a_compiled_or_ddp_wrapped_module_has_its_models_keys_in_a_version_both_ways(tmp_path):
     """torch.compile's wrapper names every tensor '_orig_mod.…' and DDP's 'module.…': a trainer
     publishing its compiled or DDP module put those prefixes in every key, so a plain module (or a

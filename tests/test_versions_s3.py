@@ -522,6 +522,7 @@ def resumed(process: subprocess.Popen) -> str:
 
 
 @pytest.mark.parametrize("a_paused_at", ["version-written", "latest-temporary"])
+@pytest.mark.slow  # two publishing processes paused in turn
 def test_latest_never_serves_one_publishers_record_on_anothers_file_of_its_step(s3, folder, a_paused_at, caplog):
     """A is paused between its upload of step 4 and its swap of LATEST; its restart B takes A's file
     for a killed publish's leftover, removes it, uploads its own step 4 and is paused before its
