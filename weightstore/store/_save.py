@@ -564,8 +564,9 @@ class DigestsSince:
     ``ws diff``); a file without digests is compared by its bytes, never wrongly. A tensor whose
     CRC-32 (or dtype, or shape) differs from the last version's is certainly changed, so where
     every tensor's does (a trainer's versions: every weight moves each step) no digest would
-    ever match, and the version is written without them: BLAKE3 was a third to two thirds of a
-    background publish's CPU (0.5 CPU-s/GB without, 0.8-1.7 with, on the 2-core benchmark VM).
+    ever match, and the version is written without them: BLAKE3 was a third of a background
+    publish's CPU (272 MB, every tensor changed, the best of 6 publishes on the 2-core benchmark
+    VM: 0.35-0.47 CPU-s/GB without, 0.52-0.55 with).
     Known only once the tensors are written, so each version guesses from the last: after one
     whose tensors all changed it hashes none while writing, and where the guess was wrong (a
     tensor's CRC-32 the same) hashes them all in a second pass; otherwise it hashes as it writes.

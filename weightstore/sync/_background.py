@@ -15,9 +15,10 @@ process (Linux, where a thread has a priority of its own), and its checksums and
 it rather than on the shared helper thread: the trainer's threads get the cores first, and a
 publish in ``fit`` costs training less than the CPU it spends. A thread a publish starts (the
 process's first writeback or S3 thread, when a background publish is the first to need one)
-inherits that priority. A version whose every tensor's CRC-32 differs from the last one's (a
-trainer's, each weight moved) is written without content digests, which no follower could
-match (:class:`~weightstore.store._save.DigestsSince`): hashing was most of a publish's CPU.
+inherits that priority. A full version (no ``delta``) whose every tensor's CRC-32 differs from
+the last one's (a trainer's, each weight moved) is written without content digests, which no
+follower could match (:class:`~weightstore.store._save.DigestsSince`): hashing was a third of
+a publish's CPU.
 
 **A copy of the weights never costs the run it copies.** A publish that fails is never raised
 into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
@@ -325,7 +326,8 @@ class BackgroundPublisher:
             attempted = time.monotonic()
             try:
                 version = publish_digested(self.folder, job.weights, step=job.step, metadata=job.metadata,
-                                           delta=self._delta or False, digests=self._digests, **self._options)
+                                           delta=self._delta or False,
+                                           digests=True if self._delta else self._digests, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 self._failing = True
