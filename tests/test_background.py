@@ -194,7 +194,7 @@ def test_a_local_write_failing_with_no_errno_is_not_retried(tmp_path, monkeypatc
         with RenameCommit(tmp_path / "out.npz").writing():
             raise OSError("the writer gave up")
 
-    monkeypatch.setattr(_background, "publish", failing)
+    monkeypatch.setattr(_background, "publish_digested", failing)
     publisher = ws.BackgroundPublisher(tmp_path, retry_for=60, retry_backoff=0.01)
     with pytest.raises(ws.errors.WriteError, match=f"{tmp_path / 'out.npz'}: writing failed: the writer gave up"):
         publisher.publish(weights(1), step=1).result(60)
@@ -452,7 +452,7 @@ sys.exit(0 if done else 5)  # 5: the child hung at its exit
 def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_one(tmp_path, monkeypatch):
     """A trainer hands over a snapshot each step: each used to be tried at once, so the failing
     storage was asked once a step and logged once a step, whatever the backoff said."""
-    from weightstore.sync import _background
+    from weightstore.sync import _background, _publish
 
     attempts, decided = [], threading.Event()  # the newest snapshot tried, or pausing untried
 
@@ -462,7 +462,7 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
             decided.set()
         raise ws.StorageError("down", path=str(folder))
 
-    monkeypatch.setattr(_background, "publish", down)
+    monkeypatch.setattr(_background, "publish_digested", down)
     publisher = ws.BackgroundPublisher(tmp_path, retry_backoff=3600)
     pause = publisher._replaced_within
 
@@ -481,7 +481,7 @@ def test_the_backoff_is_the_storages_so_newer_snapshots_do_not_hammer_a_failing_
     assert all(future.cancelled() for future in newer[:-1])
     assert decided.wait(60)
     assert attempts == [1] and not newer[-1].done()  # the newest waits out the pause, untried
-    monkeypatch.setattr(_background, "publish", ws.publish)
+    monkeypatch.setattr(_background, "publish_digested", _publish.publish_digested)  # the storage answers again
     publisher._resume_at = 0.0  # the hour passes
     publisher.publish(weights(6), step=6)
     # replaced untried, it says so, not step 1's error; and no attempt of its failed to count

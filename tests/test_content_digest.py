@@ -83,6 +83,31 @@ def test_files_without_digests_are_compared_by_bytes(tmp_path):
         assert result.exit_code == 0, result.output
 
 
+def test_a_background_publisher_leaves_digests_out_only_where_every_tensor_changed(collision, tmp_path):
+    """A trainer's versions, every tensor's CRC-32 changed since the last, carry no digests (none
+    could match, and hashing was most of a publish's CPU); a version where one CRC-32 did not
+    change, the forged one included, carries every tensor's, correct, whatever was guessed."""
+    a, b = collision
+    steps = [{"w": a * step, "bias": np.full(3, step, np.float32)} for step in range(1, 5)]
+    steps += [{"w": a * 4, "bias": np.full(3, 5, np.float32)},  # w unchanged since step 4
+              {"w": a, "bias": np.full(3, 6, np.float32)}, {"w": b, "bias": np.full(3, 7, np.float32)}]  # b: a's CRC-32
+    with ws.BackgroundPublisher(tmp_path, keep=None) as publisher:
+        versions = [publisher.publish(weights, step=step).result(60) for step, weights in enumerate(steps, 1)]
+    recorded = []
+    for version, weights in zip(versions, steps, strict=True):
+        with ws.open(version) as store:
+            assert all(np.array_equal(store[key], value) for key, value in weights.items())
+            digests = {key: store.info(key).digest for key in weights}
+        recorded.append(digests["w"] is not None)
+        if digests["w"] is not None:
+            assert digests == {key: "blake3:" + content_digest(value).hex() for key, value in weights.items()}
+        else:
+            assert set(digests.values()) == {None}
+    # 1: nothing to compare with; 2, 6: all changed, hashed on the guess from 1, 5; 3, 4: all changed;
+    # 5, 7: one CRC-32 the same (7's forged)
+    assert recorded == [True, True, False, False, True, True, True]
+
+
 # -- hot reload ---------------------------------------------------------------------------------
 
 tf = pytest.importorskip("tensorflow")

@@ -557,9 +557,45 @@ def _stated_shape(value: Any) -> tuple[int, ...] | None:
     return tuple(int(dim) for dim in dims)
 
 
+class DigestsSince:
+    """Which versions of one publisher need content digests: those where a tensor may be unchanged.
+
+    A digest is only ever compared, to find a tensor unchanged (hot reload, a follower's skip,
+    ``ws diff``); a file without digests is compared by its bytes, never wrongly. A tensor whose
+    CRC-32 (or dtype, or shape) differs from the last version's is certainly changed, so where
+    every tensor's does (a trainer's versions: every weight moves each step) no digest would
+    ever match, and the version is written without them: BLAKE3 was a third of a background
+    publish's CPU (272 MB, every tensor changed, the best of 6 publishes on the 2-core benchmark
+    VM: 0.35-0.47 CPU-s/GB without, 0.52-0.55 with).
+    Known only once the tensors are written, so each version guesses from the last: after one
+    whose tensors all changed it hashes none while writing, and where the guess was wrong (a
+    tensor's CRC-32 the same) hashes them all in a second pass; otherwise it hashes as it writes.
+    Not shared between threads: one publisher's versions are written one at a time.
+    """
+
+    def __init__(self) -> None:
+        #: each tensor's (dtype, shape, CRC-32) in the last version written, by key
+        self._last: dict[str, tuple[str, tuple[int, ...], int]] | None = None
+        self._changed = False  # whether every tensor of the last version changed since the one before
+
+    def expects_change(self) -> bool:
+        """Whether the next version's tensors are guessed to have all changed (hashed only if not)."""
+        return self._changed
+
+    def all_changed(self, tensors: list[Any]) -> bool:
+        """Whether every tensor written (``(key, dtype, shape, CRC-32)`` rows) differs from the last
+        version's of its key, the same keys there; remembered as the last version for the next."""
+        now = {key: (dtype, tuple(shape), crc) for key, dtype, shape, crc in tensors}
+        last, self._last = self._last, now
+        self._changed = last is not None and last.keys() == now.keys() and all(
+            last[key] != row for key, row in now.items())
+        return self._changed
+
+
 def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping[str, Any] | None,
                compress: bool | str, stored_names: Mapping[str, str] | None = None, created: str | None = None,
-               *, digests: bool = True, before: Callable[[str, np.ndarray], int | None] | None = None) -> None:
+               *, digests: bool | DigestsSince = True,
+               before: Callable[[str, np.ndarray], int | None] | None = None) -> None:
     """Write a file tensor by tensor; the caller makes it atomic and durable, and has checked
     ``metadata`` (:func:`checked_metadata`, naming its target) before the file was begun.
 
@@ -573,6 +609,8 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
     itself at 0.3) for an answer only a comparison asks; whoever compares a file without
     digests reads its bytes (docs/design.md, Content digests). The CRC-32 that every read
     verifies is recorded either way, from the pass that writes the bytes (or ``before``'s).
+    A :class:`DigestsSince` (one publisher's versions, in turn) records them unless every
+    tensor's CRC-32 shows it changed since the last file written with it (see there).
     ``before(name, data)``: more work on each tensor's stored bytes (``data``, in the file under
     ``name``) for a caller that needs more of them than the file records (a sharded member's
     block CRC-32s), done on this thread just before the write, while a tensor made for it (a
@@ -595,22 +633,29 @@ def write_file(path: str, fmt: Format, arrays: CheckedWeights, metadata: Mapping
         writeback = Writeback(path, None if compress else arrays.known_bytes)
         tensors: list[Any] = []
         hashed: list[bytes] = []
+        since = digests if isinstance(digests, DigestsSince) else None
+        hash_now = bool(digests) and (since is None or not since.expects_change())
         for key, name, data in arrays.stored():  # read/converted now: one tensor in memory at a time
             # a large tensor is hashed on the helper thread while the writer writes it (both release
             # the GIL); a small one after, still in cache, as a hand-off costs more than its hash
             stored = stored_names.get(key, key)
             crc = None if before is None else before(stored, data)
             hashing = (parallel.beside(functools.partial(content_digest, data))
-                       if digests and data.nbytes >= _HASH_BESIDE else None)
+                       if hash_now and data.nbytes >= _HASH_BESIDE else None)
             added = writer.add(stored, name, data) if crc is None else writer.add(stored, name, data, crc=crc)
             tensors.append((key if located else stored, name, data.shape, added))
-            if digests:
+            if hash_now:
                 hashed.append(content_digest(data) if hashing is None else hashing.result())
             writeback.advance(data.nbytes)
             del data
+        recorded = bool(digests)
+        if since is not None and since.all_changed(tensors):
+            recorded = hash_now  # none would ever match; kept where already paid for
+        elif since is not None and not hash_now:  # guessed wrong: a tensor may be unchanged
+            hashed = [content_digest(data) for _, _, data in arrays.stored()]
         locations = {**writer.locations, **located}
         writer.commit(build_manifest(tensors, metadata, f"weightstore {__version__}", locations, writer.codecs,
-                                     hashed if digests else None, created))
+                                     hashed if recorded else None, created))
     except BaseException:
         writer.abort()
         raise

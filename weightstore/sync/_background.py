@@ -15,7 +15,10 @@ process (Linux, where a thread has a priority of its own), and its checksums and
 it rather than on the shared helper thread: the trainer's threads get the cores first, and a
 publish in ``fit`` costs training less than the CPU it spends. A thread a publish starts (the
 process's first writeback or S3 thread, when a background publish is the first to need one)
-inherits that priority.
+inherits that priority. A full version (no ``delta``) whose every tensor's CRC-32 differs from
+the last one's (a trainer's, each weight moved) is written without content digests, which no
+follower could match (:class:`~weightstore.store._save.DigestsSince`): hashing was a third of
+a publish's CPU.
 
 **A copy of the weights never costs the run it copies.** A publish that fails is never raised
 into the caller. A storage failure (:class:`StorageError`, an ``OSError``: an outage, a full
@@ -85,13 +88,13 @@ from weightstore.core.limits import MAX_POINTER_BYTES
 from weightstore.errors import PublishError, StorageError, WeightStoreError, WriteError
 from weightstore.formats._pointer import LATEST
 from weightstore.io.location import connection_failure, location_of, service_answer
-from weightstore.store._save import checked_metadata
+from weightstore.store._save import DigestsSince, checked_metadata
 from weightstore.sync._checks import checked_format, checked_keep, checked_seconds, checked_step
 from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta, as_delta
 from weightstore.sync._folder import versions_folder
 from weightstore.sync._pinning import Version, pointer_version
-from weightstore.sync._publish import PublishOptions, publish
+from weightstore.sync._publish import PublishOptions, publish_digested
 from weightstore.sync._writers import published_here, written_here
 
 __all__ = ["BackgroundPublisher", "PublishFuture"]
@@ -174,6 +177,8 @@ class BackgroundPublisher:
         self._writing: _Job | None = None
         self._thread: threading.Thread | None = None
         self._given_up = False  # interrupted at exit: no retry, nothing pending written
+        #: a trainer's versions, each tensor changed since the last, are written without digests
+        self._digests = DigestsSince()
         self._exit_said: bool | None = None  # at exit: whether its wait for the retries was said; None: not exiting
         self._failing = False  # whether the snapshot being written has failed an attempt (is retrying)
         #: when the storage began failing this publisher (whichever snapshot), until a version is written again
@@ -320,8 +325,9 @@ class BackgroundPublisher:
                                     path=str(self.folder))
             attempted = time.monotonic()
             try:
-                version = publish(self.folder, job.weights, step=job.step, metadata=job.metadata,
-                                  delta=self._delta or False, **self._options)
+                version = publish_digested(self.folder, job.weights, step=job.step, metadata=job.metadata,
+                                           delta=self._delta or False,
+                                           digests=True if self._delta else self._digests, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 self._failing = True

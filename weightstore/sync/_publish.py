@@ -71,7 +71,7 @@ from weightstore.formats._pointer import (
 )
 from weightstore.io.commit import Commit
 from weightstore.io.folders import Folder, LocalFolder, folder_for, same_file
-from weightstore.store._save import CheckedWeights, file_names, write_file
+from weightstore.store._save import CheckedWeights, DigestsSince, file_names, write_file
 from weightstore.sync import _stages as stages
 from weightstore.sync._checks import checked_format, checked_keep, checked_pointer_metadata, checked_step
 from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
@@ -139,6 +139,17 @@ def publish(
     Example:
         >>> ws.publish("runs/a", weights, step=1200, keep=5, metadata={"loss": 0.31})
     """
+    return publish_digested(folder, weights, step=step, keep=keep, metadata=metadata, format=format,
+                            storage_options=storage_options, delta=delta, digests=True)
+
+
+def publish_digested(folder: Any, weights: Mapping[str, Any], *, step: int, keep: int | None,
+                     metadata: Mapping[str, Any] | None, format: str,  # noqa: A002
+                     storage_options: Mapping[str, Any] | None, delta: bool | Delta,
+                     digests: bool | DigestsSince) -> Version:
+    """:func:`publish`, its full versions' content digests as ``digests`` says (``write_file``'s):
+    a :class:`~weightstore.sync.BackgroundPublisher` leaves them out of versions no digest of
+    which could match."""
     step, keep, planner = checked_step(step), checked_keep(keep), as_delta(delta)
     fmt = checked_format(format)
     target = folder_for(folder, storage_options)
@@ -165,7 +176,7 @@ def publish(
         try:
             with commit.writing() as local:
                 if plan is None:
-                    write_file(local, fmt, arrays, metadata, False, stored_names, created=created)
+                    write_file(local, fmt, arrays, metadata, False, stored_names, created=created, digests=digests)
                 else:
                     with open(local, "wb") as handle:
                         delta_format.write(handle, plan.head, plan.rows, plan.digests, plan.encoded, metadata,
