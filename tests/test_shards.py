@@ -678,8 +678,8 @@ def test_an_index_of_version_2_still_reads(tmp_path):
 
 def test_an_unfinished_attempt_of_an_older_writer_is_refused_naming_its_done_record_and_then_cleaned(tmp_path):
     """Done-records of version 1 (before block tables) left in an attempt no index names: its
-    commit is refused naming the record and what to do; the step's next attempt commits and
-    removes it."""
+    commit is refused naming the lowest rank's record (whatever order the file system lists them
+    in) and what to do; the step's next attempt commits and removes it."""
     folder = tmp_path / "run"
     folder.mkdir()
     shutil.copytree(V1 / "step-000000000001.attempt-0", folder / "step-000000000001.attempt-0")
@@ -1256,8 +1256,9 @@ def test_a_large_member_lets_each_column_strip_go_once_written(tmp_path, monkeyp
 
 def test_a_commit_of_another_world_size_than_its_ranks_fails_at_once(tmp_path):
     """Ranks that wrote a version of 2 and a coordinator told 3 (a relaunch with another size):
-    rank 2 never comes, so the commit fails on the first record it reads, naming it, rather
-    than waiting out its timeout (ShardTimeoutError); LATEST stays where it was."""
+    rank 2 never comes, so the commit fails on the lowest rank's record (rank 0's, whatever order
+    the file system lists them in), naming it, rather than waiting out its timeout
+    (ShardTimeoutError); LATEST stays where it was."""
     folder = tmp_path / "run"
     ws.publish(folder, {"a": np.zeros(1)}, step=1)
     a = np.arange(8, dtype=np.float32).reshape(4, 2)

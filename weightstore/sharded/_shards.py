@@ -1057,8 +1057,9 @@ def _wait_for_ranks(members: Folder, step: int, attempt: int, world: int, timeou
                     failures: Callable[[], Mapping[int, str]] | None,
                     doomed: Callable[[], None] = lambda: None) -> tuple[dict[int, DoneRecord], dict[str, int]]:
     """Every rank's done-record, parsed as it appears (one listing per look, each record read
-    once), and the sizes of the files in the last listing (each member is whole before its
-    record). A record of another step, attempt, rank or world fails the commit at once, as
+    once, in rank order: a bad record the commit names is the lowest rank's, not whichever one
+    the file system lists first), and the sizes of the files in the last listing (each member
+    is whole before its record). A record of another step, attempt, rank or world fails the commit at once, as
     nothing can make it succeed (ranks launched with another world size would leave it waiting
     out its timeout for ranks that never come). A rank's done-record outweighs its word that it
     gave up: its member is whole. ``doomed`` is asked every :data:`_DOOMED_EVERY` seconds
@@ -1070,13 +1071,11 @@ def _wait_for_ranks(members: Folder, step: int, attempt: int, world: int, timeou
     pause = 0.05
     while True:
         listing = members.files()
-        for entry in listing:
-            rank = wanted.get(entry.name)
-            if rank is not None and rank not in found:
-                data = members.read_small(entry.name, MAX_DONE_BYTES + 1)
-                if data is not None:
-                    with naming(path=members.url(entry.name)):
-                        found[rank] = _belonging(parse_done(data), step, attempt, rank, world)
+        for rank in sorted({wanted[entry.name] for entry in listing if entry.name in wanted} - found.keys()):
+            data = members.read_small(done_name(rank), MAX_DONE_BYTES + 1)
+            if data is not None:
+                with naming(path=members.url(done_name(rank))):
+                    found[rank] = _belonging(parse_done(data), step, attempt, rank, world)
         if len(found) == world:
             return found, {entry.name: entry.size for entry in listing}
         for rank, why in sorted((failures() if failures is not None else {}).items()):
