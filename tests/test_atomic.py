@@ -9,7 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +113,7 @@ def test_unserializable_metadata_writes_nothing(tmp_path, suffix):
 
 _SLOW_WRITER = """
 import sys
+import tempfile
 import numpy as np
 import weightstore as ws
 weights = {f"layer_{i:02d}/kernel": np.full(5 << 20, i, np.float32) for i in range(10)}  # 200 MB
@@ -218,6 +221,33 @@ def test_temporaries_of_another_pid_namespace_go_only_once_untouched_for_a_day(t
     ws.save(path, {"w": np.zeros(2)})
     assert fresh.exists() and not old.exists()
     assert list(ws.load(path)) == ["w"]
+
+
+def test_a_scratch_folder_is_made_after_removing_dead_writers_ones_and_nothing_else(tmp_path, monkeypatch):
+    """An upload's or an unpacked archive's scratch folder in ``TMPDIR`` is named by its writer as
+    a temporary is: a process's first one removes those of dead writers of this namespace, and
+    keeps a live writer's, another namespace's still in use, and what is not such a folder (a
+    file, a link to a folder elsewhere: never followed)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(files, "_SCRATCH_SWEPT", set())
+    head, space, dead_pid = "weightstore-upload-", files._pid_space(), _dead_pid()
+    elsewhere = "0" * 12 if space != "0" * 12 else "1" * 12
+    dead, live, other = (tmp_path / f"{head}{pid}-{named}-k_07lpue" for pid, named in
+                         ((dead_pid, space), (os.getpid(), space), (dead_pid, elsewhere)))
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "upload.npz").write_bytes(b"partial")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_bytes(b"mine")
+    link, file = tmp_path / f"{head}{dead_pid}-{space}-linked12", tmp_path / f"{head}{dead_pid}-{space}-afile123"
+    link.symlink_to(outside, target_is_directory=True)
+    file.write_bytes(b"not a folder")
+    made = Path(files.scratch_folder(head))
+    assert made.parent == tmp_path and made.name.startswith(f"{head}{os.getpid()}-{space}-") and made.is_dir()
+    assert not dead.exists()
+    assert (live / "upload.npz").exists() and (other / "upload.npz").exists()
+    assert link.is_symlink() and (outside / "kept").read_bytes() == b"mine" and file.read_bytes() == b"not a folder"
 
 
 _WRITER_ELSEWHERE = """

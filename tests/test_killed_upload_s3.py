@@ -53,12 +53,12 @@ def unfinished_uploads(folder: str) -> list[str]:
     return [upload["Key"][len(prefix) + 1:] for upload in listed.get("Uploads", [])]
 
 
-def run(s3, script: str, *argv: str) -> subprocess.Popen:
+def run(s3, script: str, *argv: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **s3.environment(), "PYTHONPATH": str(ROOT)})
+                            text=True, env={**os.environ, **s3.environment(), "PYTHONPATH": str(ROOT), **env})
 
 
-def killed_mid_upload(s3, script: str, *argv: str, of: str) -> None:
+def killed_mid_upload(s3, script: str, *argv: str, of: str, **env: str) -> None:
     """Run ``script`` and SIGKILL it once its first upload part of an object whose path holds
     ``of`` reaches the server (held there, never stored)."""
     part_arrived, killed = threading.Event(), threading.Event()
@@ -72,7 +72,7 @@ def killed_mid_upload(s3, script: str, *argv: str, of: str) -> None:
         return None
 
     s3.intercept = hold_the_first_part
-    writer = run(s3, script, *argv)
+    writer = run(s3, script, *argv, **env)
     try:
         assert part_arrived.wait(60), writer.stderr.read() if writer.poll() is not None else "no part uploaded"
         writer.send_signal(signal.SIGKILL)
@@ -94,6 +94,42 @@ def test_a_publish_aborts_the_upload_a_publisher_killed_mid_way_left(s3, caplog)
     assert unfinished_uploads(folder) == []
     assert "aborted the unfinished upload of step-000000000002.npz, which a killed publish of step 2 left" in caplog.text
     assert [version.step for version in ws.sync.list_versions(folder)] == [1, 3]
+
+
+def test_the_next_process_to_upload_removes_a_killed_publishers_copy_of_its_version_and_keeps_a_live_ones(
+        s3, tmp_path):
+    """A version for S3 is written whole into a scratch folder of ``TMPDIR``, then uploaded: a
+    publisher killed mid-upload left that copy, the model's size, at every kill, and no restart
+    removed it. The first upload of the next process removes a dead writer's, never a live one's
+    (held here mid-upload while the other publishes)."""
+    scratch, folder = tmp_path / "tmp", f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    scratch.mkdir()
+    killed_mid_upload(s3, PUBLISHER, f"{folder}/a", of="/a/step-", TMPDIR=str(scratch))
+    [left] = scratch.iterdir()
+    assert (left / "upload.npz").stat().st_size > 20 << 20  # the killed publisher's copy of step 2
+    part_arrived, go_on = threading.Event(), threading.Event()
+
+    def hold_the_first_part(environ):
+        if environ["REQUEST_METHOD"] == "PUT" and "partNumber=1&" in environ.get("QUERY_STRING", "") + "&" \
+                and "/b/step-" in environ["PATH_INFO"]:
+            part_arrived.set()
+            go_on.wait(60)
+        return None
+
+    s3.intercept = hold_the_first_part
+    live = run(s3, PUBLISHER, f"{folder}/b", TMPDIR=str(scratch))
+    try:
+        assert part_arrived.wait(60), live.stderr.read() if live.poll() is not None else "no part uploaded"
+        later = run(s3, PUBLISHER, f"{folder}/c", TMPDIR=str(scratch))
+        assert later.wait(60) == 0, later.communicate()
+        assert [path.name.split("-")[2] for path in scratch.iterdir()] == [str(live.pid)]
+    finally:
+        go_on.set()
+        s3.intercept = None
+        live.communicate(timeout=60)
+    assert live.returncode == 0
+    assert list(scratch.iterdir()) == []  # each live one removes its own as its upload ends
+    assert ws.load(ws.latest(f"{folder}/b").path)["w"].shape == (5 << 20,)
 
 
 @pytest.mark.slow  # ranks killed and relaunched

@@ -21,7 +21,6 @@ import errno
 import os
 import shutil
 import struct
-import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
 from weightstore.formats._renamed import RenamedReader
-from weightstore.io.files import open_regular, unreadable
+from weightstore.io.files import open_regular, scratch_folder, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place
 from weightstore.io.remote import RemoteFile
@@ -90,7 +89,7 @@ class KerasArchiveReader(ReaderDefaults):
         by a live model's save walk, which needs none of it."""
         self.name = path if isinstance(path, str) else path.name
         self.skipped: list[str] = []
-        self._scratch = tempfile.mkdtemp(prefix="weightstore-keras-")
+        self._scratch = scratch_folder("weightstore-keras-")
         self._file: Reader | None = None
         try:
             archive_path = path if isinstance(path, str) else _fetched(path, self._scratch)

@@ -27,10 +27,12 @@ documented composition of them:
    least two parts (:data:`UPLOAD_PART_BYTES`) goes as a multipart upload whose parts are sent
    concurrently (s3fs's ``max_concurrency`` storage option, default 10), and the object appears
    only at CompleteMultipartUpload. A crash leaves the old object; an unfinished multipart
-   upload is invisible (s3fs aborts it when a part fails). ``new=True`` makes the upload only
-   where no object has the name (S3's ``If-None-Match: *``, on the PUT or on the completion):
-   a version file, whose name is its step, so that a publisher stopped mid-publish and resumed
-   after another took the folder over never replaces the other's version of that step. Such an
+   upload is invisible (s3fs aborts it when a part fails), and the scratch folder of a writer
+   killed goes with the first upload of a later process
+   (:func:`~weightstore.io.files.scratch_folder`). ``new=True`` makes the upload only where no
+   object has the name (S3's ``If-None-Match: *``, on the PUT or on the completion): a version
+   file, whose name is its step, so that a publisher stopped mid-publish and resumed after
+   another took the folder over never replaces the other's version of that step. Such an
    upload carries a token of its own (:data:`UPLOAD_TOKEN`), so the client's retry of a request
    whose answer was lost after the object landed, refused, finds its own object: landed.
 3. *Pointer last* (versioned folders, :mod:`weightstore.sync._publish`). Each version file is
@@ -65,7 +67,6 @@ import re
 import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,7 @@ from weightstore.io.files import (
     fsync_folder,
     fsync_path,
     remove_stale_temporaries,
+    scratch_folder,
     temporary_beside,
 )
 from weightstore.io.location import (
@@ -240,7 +242,7 @@ class UploadCommit(Commit):
         self._landed_token: str | None = None
 
     def begin(self) -> str:
-        self._scratch = tempfile.mkdtemp(prefix="weightstore-upload-")
+        self._scratch = scratch_folder("weightstore-upload-")
         return os.path.join(self._scratch, "upload" + self._suffix)
 
     def finalize(self) -> None:

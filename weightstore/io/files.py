@@ -19,6 +19,8 @@ space is removed only once untouched for :data:`STALE_AFTER` (a day). A name wit
 A save takes no lock (libhdf5 locks the files it opens itself and fails under one of ours), so
 these rules decide for every temporary but those whose every writer holds a versioned folder's
 publish lock: a publish holding it removes those whatever they are named by (``locked``).
+The scratch folders of ``TMPDIR`` (an upload's copy of a version file, an unpacked archive) are
+named and removed by the same rules (:func:`scratch_folder`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import io
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO, overload
@@ -274,6 +278,7 @@ def _forget_space() -> None:
     global _OWN_SPACE
     _OWN_SPACE = None
     _SWEPT_CLEAN.clear()
+    _SCRATCH_SWEPT.clear()
 
 
 in_child(_forget_space)
@@ -357,6 +362,39 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
         if len(_SWEPT_CLEAN) >= _SWEPT_TARGETS:
             _SWEPT_CLEAN.clear()
         _SWEPT_CLEAN[key] = (time.monotonic(), None)
+
+
+#: the heads whose dead writers' scratch folders this process has removed (see :func:`scratch_folder`)
+_SCRATCH_SWEPT: set[str] = set()
+
+
+def scratch_folder(head: str) -> str:
+    """A new private folder in the system's temporary folder (``TMPDIR``), ``HEAD PID-SPACE-RANDOM``:
+    named by its writer as a temporary is, so that the first call in a process with ``head``
+    removes the folders a writer killed while it used one left (an upload's copy of a version
+    file, an unpacked archive: a trainer killed mid-publish left a model-sized file in ``/tmp``
+    at each kill, which no restart removed). Dead means what it does for a temporary (see
+    :func:`remove_stale_temporaries`); only this user's folders are removed, never through a link."""
+    temporary = tempfile.gettempdir()
+    if head not in _SCRATCH_SWEPT:
+        _SCRATCH_SWEPT.add(head)
+        _remove_dead_scratch(temporary, head)
+    pid = os.getpid()
+    return tempfile.mkdtemp(prefix=f"{head}{pid}-{_pid_space(pid)}-", dir=temporary)
+
+
+def _remove_dead_scratch(temporary: str, head: str) -> None:
+    """Remove the folders :func:`scratch_folder` made in ``temporary`` with ``head`` whose writer is dead."""
+    pattern = re.compile(rf"([0-9]+)-([0-9a-f]{{{_SPACE_HEX}}})-[0-9a-z_]+\Z")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(temporary):
+            match = entry.name.startswith(head) and pattern.match(entry.name, len(head))
+            if not match or not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid == os.getuid() and \
+                        _dead(entry.path, int(match.group(1)), match.group(2)):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _dead(path: str, pid: int, space: str | None) -> bool:
