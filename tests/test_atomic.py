@@ -233,7 +233,7 @@ def test_a_scratch_folder_is_made_after_removing_dead_writers_ones_and_nothing_e
     head, space, dead_pid = "weightstore-upload-", files._pid_space(), _dead_pid()
     elsewhere = "0" * 12 if space != "0" * 12 else "1" * 12
     dead, live, other = (tmp_path / f"{head}{pid}-{named}-k_07lpue" for pid, named in
-                         ((dead_pid, space), (os.getpid(), space), (dead_pid, elsewhere)))
+                         ((dead_pid, space), (os.getppid(), space), (dead_pid, elsewhere)))
     for folder in (dead, live, other):
         folder.mkdir()
         (folder / "upload.npz").write_bytes(b"partial")
@@ -248,6 +248,31 @@ def test_a_scratch_folder_is_made_after_removing_dead_writers_ones_and_nothing_e
     assert not dead.exists()
     assert (live / "upload.npz").exists() and (other / "upload.npz").exists()
     assert link.is_symlink() and (outside / "kept").read_bytes() == b"mine" and file.read_bytes() == b"not a folder"
+
+
+def test_a_scratch_folder_named_by_this_very_process_that_it_did_not_make_goes(tmp_path, monkeypatch):
+    """A container's trainer is often PID 1, and a restarted container's PID namespace may get the
+    inode of its killed one (the kernel hands out the lowest free one), so the same space: the
+    folder the killed trainer left is named by this process's own PID and space. It is an earlier
+    process's, not this one's, and goes; the one this process made (another thread's upload)
+    stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(files, "_SCRATCH_SWEPT", set())
+    head = "weightstore-upload-"
+    mine = Path(files.scratch_folder(head))
+    (mine / "upload.npz").write_bytes(b"being uploaded")
+    left = tmp_path / f"{head}{os.getpid()}-{files._pid_space()}-k_07lpue"  # the killed earlier PID 1's
+    left.mkdir()
+    (left / "upload.npz").write_bytes(b"partial")
+    monkeypatch.setattr(files, "_SCRATCH_SWEPT", set())  # the next upload of this process looks again
+    made = Path(files.scratch_folder(head))
+    try:
+        assert not left.exists()
+        assert (mine / "upload.npz").read_bytes() == b"being uploaded" and made.is_dir()
+    finally:
+        files.remove_scratch(str(mine))
+        files.remove_scratch(str(made))
+    assert sorted(tmp_path.iterdir()) == []
 
 
 _WRITER_ELSEWHERE = """

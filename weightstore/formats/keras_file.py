@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import struct
 import zipfile
 import zlib
@@ -39,7 +38,7 @@ from weightstore.core.manifest import TensorInfo
 from weightstore.errors import FormatError, StoreNotFoundError, TargetError, UnsafeFileError, WeightStoreError, naming
 from weightstore.formats import Format, Reader, ReaderDefaults, _keras_keys, _zipdir, format_for_suffix, format_named
 from weightstore.formats._renamed import RenamedReader
-from weightstore.io.files import open_regular, scratch_folder, unreadable
+from weightstore.io.files import open_regular, remove_scratch, scratch_folder, unreadable
 from weightstore.io.location import service
 from weightstore.io.places import Place
 from weightstore.io.remote import RemoteFile
@@ -150,7 +149,7 @@ class KerasArchiveReader(ReaderDefaults):
             if self._file is not None:
                 self._file.close()
         finally:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            remove_scratch(self._scratch)
 
 
 def _fetched(source: RemoteFile, folder: str) -> str:

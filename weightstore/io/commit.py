@@ -65,7 +65,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -77,6 +76,7 @@ from weightstore.io.files import (
     check_writable_target,
     fsync_folder,
     fsync_path,
+    remove_scratch,
     remove_stale_temporaries,
     scratch_folder,
     temporary_beside,
@@ -294,7 +294,7 @@ class UploadCommit(Commit):
 
     def discard(self) -> None:
         if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            remove_scratch(self._scratch)
             self._scratch = None
 
     def exists(self) -> bool:

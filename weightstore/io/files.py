@@ -279,6 +279,7 @@ def _forget_space() -> None:
     _OWN_SPACE = None
     _SWEPT_CLEAN.clear()
     _SCRATCH_SWEPT.clear()
+    _SCRATCH_MADE.clear()  # its parent's, named by the parent's PID
 
 
 in_child(_forget_space)
@@ -366,6 +367,8 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
 
 #: the heads whose dead writers' scratch folders this process has removed (see :func:`scratch_folder`)
 _SCRATCH_SWEPT: set[str] = set()
+#: the names of the scratch folders this process made and has not removed (see :func:`scratch_folder`)
+_SCRATCH_MADE: set[str] = set()
 
 
 def scratch_folder(head: str) -> str:
@@ -374,26 +377,46 @@ def scratch_folder(head: str) -> str:
     removes the folders a writer killed while it used one left (an upload's copy of a version
     file, an unpacked archive: a trainer killed mid-publish left a model-sized file in ``/tmp``
     at each kill, which no restart removed). Dead means what it does for a temporary (see
-    :func:`remove_stale_temporaries`); only this user's folders are removed, never through a link."""
+    :func:`remove_stale_temporaries`), except that one named by this very process that it did
+    not make is dead: an earlier process of this PID in a namespace of this space (a container's
+    trainer is often PID 1, and a restarted container's PID namespace may get the inode its killed
+    one had: the kernel hands out the lowest free one). Only this user's folders are removed,
+    never through a link. Removed with :func:`remove_scratch`."""
     temporary = tempfile.gettempdir()
     if head not in _SCRATCH_SWEPT:
         _SCRATCH_SWEPT.add(head)
         _remove_dead_scratch(temporary, head)
     pid = os.getpid()
-    return tempfile.mkdtemp(prefix=f"{head}{pid}-{_pid_space(pid)}-", dir=temporary)
+    while True:  # mkdtemp's loop, the name noted first: another thread's sweep must never take it for a dead one's
+        name = f"{head}{pid}-{_pid_space(pid)}-{secrets.token_hex(4)}"
+        _SCRATCH_MADE.add(name)
+        try:
+            os.mkdir(os.path.join(temporary, name), 0o700)
+        except FileExistsError:
+            _SCRATCH_MADE.discard(name)
+            continue
+        return os.path.abspath(os.path.join(temporary, name))
+
+
+def remove_scratch(folder: str) -> None:
+    """Remove a folder :func:`scratch_folder` made, and whatever is in it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    _SCRATCH_MADE.discard(os.path.basename(folder))
 
 
 def _remove_dead_scratch(temporary: str, head: str) -> None:
     """Remove the folders :func:`scratch_folder` made in ``temporary`` with ``head`` whose writer is dead."""
     pattern = re.compile(rf"([0-9]+)-([0-9a-f]{{{_SPACE_HEX}}})-[0-9a-z_]+\Z")
+    own = (os.getpid(), _pid_space())
     with contextlib.suppress(OSError):
         for entry in os.scandir(temporary):
             match = entry.name.startswith(head) and pattern.match(entry.name, len(head))
             if not match or not entry.is_dir(follow_symlinks=False):
                 continue
+            pid, space = int(match.group(1)), match.group(2)
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid() and \
-                        _dead(entry.path, int(match.group(1)), match.group(2)):
+                        (entry.name not in _SCRATCH_MADE if (pid, space) == own else _dead(entry.path, pid, space)):
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 
