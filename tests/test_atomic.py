@@ -113,7 +113,6 @@ def test_unserializable_metadata_writes_nothing(tmp_path, suffix):
 
 _SLOW_WRITER = """
 import sys
-import tempfile
 import numpy as np
 import weightstore as ws
 weights = {f"layer_{i:02d}/kernel": np.full(5 << 20, i, np.float32) for i in range(10)}  # 200 MB
