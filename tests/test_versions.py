@@ -20,6 +20,7 @@ from processes import fork_together, run_forked
 from typer.testing import CliRunner
 
 import weightstore as ws
+from polling import wait_until
 from weightstore import sync as versions
 from weightstore.cli import sync as sync_cli
 from weightstore.core.limits import MAX_POINTER_BYTES
@@ -599,9 +600,8 @@ def test_a_publish_waiting_on_a_stopped_publishers_lock_says_whose_it_waits_for(
         restarted = threading.Thread(target=lambda: outcome.append(ws.publish(tmp_path, weights_at(5), step=5)))
         with caplog.at_level("WARNING", logger="weightstore"):
             restarted.start()
-            deadline = time.monotonic() + 30
-            while "waiting for its publish lock" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: "waiting for its publish lock" in caplog.text, what="a publisher waiting for the lock",
+                       every=0.05)
             assert f"pid {stopped.pid}" in caplog.text and "SIGSTOP" in caplog.text, caplog.text
             assert not outcome  # still waiting: the stopped publisher holds the lock
             os.kill(stopped.pid, signal.SIGCONT)
@@ -718,9 +718,8 @@ def test_a_publish_waiting_on_a_lock_its_holder_could_not_write_in_names_no_othe
         waiting = threading.Thread(target=publish)
         with caplog.at_level("WARNING", logger="weightstore"):
             waiting.start()
-            deadline = time.monotonic() + 30
-            while "waiting for its publish lock" not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: "waiting for its publish lock" in caplog.text, what="a publisher waiting for the lock",
+                       every=0.05)
             said = caplog.text
             os.kill(stopped.pid, signal.SIGCONT)
             waiting.join(60)
