@@ -423,14 +423,16 @@ def _remove_dead_scratch(temporary: str, head: str) -> None:
 def _dead(path: str, pid: int, space: str | None) -> bool:
     """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone."""
     if space is None or space == _pid_space():
-        return not _process_alive(pid)
+        return not process_alive(pid)
     try:
         return time.time() - os.lstat(path).st_mtime > STALE_AFTER
     except OSError:  # gone already, or not ours to ask: left alone
         return False
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this PID namespace still runs (another user's does; a PID no
+    system has is taken for a live one, never wrongly for a dead one)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

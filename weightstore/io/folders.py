@@ -42,6 +42,7 @@ from weightstore.io.files import (
     fsync_folder,
     fsync_path,
     kind_of,
+    process_alive,
     temporary_beside,
     unreadable,
 )
@@ -479,21 +480,10 @@ def _holder(said: str) -> str:
     words = "".join(c if c.isprintable() else " " for c in said).strip()
     host, _, rest = words.partition(" pid ")
     pid = rest.split(",")[0]
-    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+    if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
         words = ""
     return words or ("a process that does not say who (one that may not write .publish.lock, another user's "
                      "file, cannot)")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host still runs (one of another user's does)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's
-        return True
-    return True
 
 
 def _unlockable(exc: OSError, where: str) -> WriteError:
