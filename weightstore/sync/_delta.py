@@ -187,7 +187,7 @@ class Delta:
         pointer = self._base_pointer(target, step)
         if pointer is None:
             return None
-        base = pointer.path.rsplit("/", 1)[-1]
+        base = pointer.file_name
         if base.endswith(SHARDED_SUFFIX) or not VERSION_NAME.match(base):
             return None
         held = self._held
@@ -315,7 +315,7 @@ class Delta:
     def published(self, target: Folder, version: Version, tensors: dict[str, Stored], plan: Plan | None) -> None:
         """Remember ``version``, just published with ``tensors`` (as ``plan``, or full), as the next
         delta's base, with each file of its chain as the folder lists it (:func:`_seen`)."""
-        name = version.path.rsplit("/", 1)[-1]
+        name = version.file_name
         files = {**({} if plan is None else plan.files), name: target.fingerprint(name)}
         if self.remember:  # what nothing compares is not listed
             files = _seen(target, files)

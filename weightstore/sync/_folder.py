@@ -374,8 +374,7 @@ def kept_by_latest(target: Folder, step: int, name: str) -> bool:
         current = read_latest(target)
     except WeightStoreError:
         return True
-    return current is not None and (current.step > step or (current.step == step
-                                                             and current.path.rsplit("/", 1)[-1] == name))
+    return current is not None and (current.step > step or (current.step == step and current.file_name == name))
 
 
 def versions_folder(folder: Any, storage_options: Mapping[str, Any] | None = None) -> Folder:

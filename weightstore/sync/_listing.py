@@ -66,7 +66,7 @@ def version_listing(folder: Any, *, storage_options: Mapping[str, Any] | None = 
         pointer, damage = read_latest(source), None
     except FormatError as exc:
         pointer, damage = None, exc
-    named = pointer.path.rsplit("/", 1)[-1] if pointer else None
+    named = pointer.file_name if pointer else None
     entries = []
     chain: list[str] | None = None  # the chain a delta of the version before lists, where that one's was read
     for step, entry in version_files(source):

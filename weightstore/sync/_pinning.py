@@ -118,6 +118,11 @@ class Version:
     _folder: Folder | None = field(default=None, repr=False, compare=False)
     _pinned: _SharedReader | None = field(default=None, repr=False, compare=False)
 
+    @property
+    def file_name(self) -> str:
+        """The version's file in its folder (``step-000000001200.npz``), as ``LATEST`` names it."""
+        return self.path.rsplit("/", 1)[-1]
+
     def _weightstore_open(self, *, verify: bool = True) -> Store:
         """What ``ws.open(version)`` returns: a share of the pinned file, or the file opened now."""
         pinned = self._pinned
@@ -179,7 +184,7 @@ def _open_version(folder: Folder, version: Version, verify: bool, holding: Versi
     to ``holding`` (:meth:`Version.pin`), on whose pin it then rests (:func:`_rest_on`; where
     that pin is let go, each base below is opened when first read, and a base found pruned by
     then is a :class:`VersionGoneError`: :class:`_RemovedIsGone`)."""
-    name = version.path.rsplit("/", 1)[-1]
+    name = version.file_name
     fmt = format_for_suffix(name) or format_named("npz")
     try:
         handle = folder.open_binary(name, file_object=fmt.remote_file_object)
@@ -191,7 +196,7 @@ def _open_version(folder: Folder, version: Version, verify: bool, holding: Versi
 
         lazy = holding is not None and fmt.name == delta_format.FORMAT_NAME
         try:
-            held = None if holding is None else holding.path.rsplit("/", 1)[-1]
+            held = None if holding is None else holding.file_name
             store = own_record(open_onto_base(handle, held=held) if lazy else open_store(handle, verify=verify),
                                version)
         except FileNotFoundError as exc:  # pruned between the look and the map, or a sharded version's member lost
@@ -243,7 +248,7 @@ def _gone_or(missing: FileNotFoundError, folder: Folder, version: Version) -> Ex
     file is gone: :class:`VersionGoneError`, read ``LATEST`` again), or, its file still there,
     a part of it is lost (a sharded version's member), which no retry mends: ``missing``
     itself, named."""
-    if folder.tag(version.path.rsplit("/", 1)[-1]) is None:
+    if folder.tag(version.file_name) is None:
         return _gone(version)
     if isinstance(missing, WeightStoreError):
         return missing
@@ -294,7 +299,7 @@ def _rest_on(reader: Reader, holding: Version) -> None:
     lent = _Lent(shared)
     top = reader._reader if isinstance(reader, RenamedReader) else reader
     if not (isinstance(top, delta_format.DeltaReader)
-            and top.rest_on(holding.path.rsplit("/", 1)[-1], lent.reader, lent.close)):
+            and top.rest_on(holding.file_name, lent.reader, lent.close)):
         lent.close()
 
 
@@ -344,7 +349,7 @@ _letting_go = threading.local()
 def _pruned(folder: Folder, version: Version) -> bool:
     """Whether ``version``'s file is gone from ``folder``; ``False`` where the look fails."""
     try:
-        return folder.tag(version.path.rsplit("/", 1)[-1]) is None
+        return folder.tag(version.file_name) is None
     except (WeightStoreError, OSError):
         return False
 

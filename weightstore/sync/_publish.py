@@ -257,7 +257,7 @@ def commit_version(target: Folder, step: int, name: str, write: Callable[[str], 
         stages.reached("locked")
         state = FolderState.read(target)
         state.check_step(step)
-        if base is not None and (state.pointer is None or state.pointer.path.rsplit("/", 1)[-1] != base):
+        if base is not None and (state.pointer is None or state.pointer.file_name != base):
             raise _BaseMoved(f"LATEST moved to step {state.pointer.step if state.pointer else 'none'} while step "
                              f"{step} was encoded as a delta of {base} (is another trainer publishing to this "
                              "folder?)", path=target.where)
