@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -172,10 +173,10 @@ def _dead_pid():
 
 def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     """Temporaries named by this PID namespace, or by older weightstore (no namespace), go once
-    their PID is dead; a live writer's, or another target's, stay."""
+    their PID is dead; a live writer's (this process's, writing it), or another target's, stay."""
     path = tmp_path / "w.npz"
     dead_pid, space = _dead_pid(), files._pid_space()
-    live = tmp_path / f".w.npz.wstmp-{os.getpid()}-{space}-0123abcd"
+    live = files.temporary_beside(path)
     dead = tmp_path / f".w.npz.wstmp-{dead_pid}-{space}-4567cdef"
     live_older = tmp_path / f".w.npz.wstmp-{os.getpid()}-0123abcd"
     dead_older = tmp_path / f".w.npz.wstmp-{dead_pid}-4567cdef"
@@ -185,6 +186,45 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     ws.save(path, {"w": np.zeros(2)})
     assert live.exists() and live_older.exists() and other_target.exists()
     assert not dead.exists() and not dead_older.exists()
+
+
+def test_a_temporary_named_by_this_very_process_that_it_is_not_writing_goes(tmp_path, monkeypatch):
+    """A container's trainer is often PID 1, and a restarted container's PID namespace may get the
+    inode of its killed one, so the same space: the temporary the killed trainer's save left is
+    named by this process's own PID and space. This process is not writing it, so the next save
+    removes it; another thread's save of the same target, under way meanwhile, keeps its own and
+    commits."""
+    path = tmp_path / "w.npz"
+    left = tmp_path / f".w.npz.wstmp-{os.getpid()}-{files._pid_space()}-0123abcd"  # the killed earlier PID 1's
+    left.write_bytes(b"partial")
+    ws.save(path, {"w": np.arange(3.0)})
+    assert not left.exists() and leftovers(tmp_path, path) == []
+    assert ws.load(path)["w"].tolist() == [0, 1, 2]
+
+    original, reached, go_on = npz.NpzWriter.add, threading.Event(), threading.Event()
+
+    def add(self, key, dtype_name, data):  # the thread's save waits half-written, its temporary there
+        if key == "theirs/b":
+            reached.set()
+            go_on.wait(60)
+        return original(self, key, dtype_name, data)
+
+    monkeypatch.setattr(npz.NpzWriter, "add", add)
+    theirs = {"theirs/a": np.ones((512, 512)), "theirs/b": np.full(4, 7.0)}  # 2 MB first: past any buffering
+    writer = threading.Thread(target=ws.save, args=(path, theirs))
+    writer.start()
+    try:
+        assert reached.wait(60)
+        (writing,) = leftovers(tmp_path, path)
+        left.write_bytes(b"partial")
+        ws.save(path, {"here": np.zeros(2)})
+        assert not left.exists() and (tmp_path / writing).exists()
+    finally:
+        go_on.set()
+        writer.join(60)
+    loaded = ws.load(path)  # the thread's save committed, last
+    assert sorted(loaded) == sorted(theirs) and all(np.array_equal(loaded[k], v) for k, v in theirs.items())
+    assert leftovers(tmp_path, path) == []
 
 
 def test_a_temporary_left_in_a_folder_untouched_since_the_last_save_goes_within_the_minute(tmp_path, monkeypatch):

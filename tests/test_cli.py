@@ -28,6 +28,7 @@ import tf_forge
 import weightstore as ws
 from hostile import hostile_keras
 from in_turn import ws_in_turn
+from polling import wait_until
 from weightstore.cli import render, transfer
 from weightstore.cli.guard import GuardedGroup
 from weightstore.cli.main import app
@@ -1021,19 +1022,24 @@ def slow(address, length):
     return real(address, length)
 
 _local.populate_read = slow
+ended = sys.argv.pop()
 sys.argv = ["ws", *sys.argv[1:]]
 from _weightstore_cli import main
-main()
+try:
+    main()
+finally:  # registered last, so the exit's first hook: it marks the exit's start, before the joins
+    threading._register_atexit(lambda: open(ended, "x").close())
 """
-    source, written = tmp_path / "two.npz", tmp_path / "a.npz"
+    source, written, ended = tmp_path / "two.npz", tmp_path / "a.npz", tmp_path / "ended"
     ws.save(source, {"a": np.ones(2 << 20, np.float32), "b": np.zeros(16 << 20, np.float32)})
     started = subprocess.Popen([sys.executable, "-c", script, "export", str(source), "-o", str(written), "--include",
-                                "a"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                "a", str(ended)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
     try:
         said = started.stderr.readline()
         assert said.startswith("wrote 1 tensor"), said + started.stderr.read()
-        time.sleep(1.5)  # the command is over: Python's exit waits for the populators
+        wait_until(lambda: ended.exists() or started.poll() is not None,
+                   what="the command's end: Python's exit, waiting for the populators")
         started.send_signal(signal.SIGINT)
         out, err = started.communicate(timeout=60)
     finally:

@@ -74,6 +74,46 @@ def test_keras_callback_counts_batches_as_model_checkpoint_does_under_steps_per_
     assert all(step % 8 == 0 for step in steps)  # at the ends of executions, where Keras reports
 
 
+def test_a_foreground_callback_leaves_digests_out_of_versions_whose_every_weight_changed(tmp_path):
+    """On the training thread as in the background: a version whose every weight changed since
+    the last carries no content digests (none could match); one where a weight did not change
+    carries every tensor's, and a follower assigning each version in turn ends on each."""
+    from weightstore.core.manifest import content_digest
+
+    model = small_model()
+    bias = model.get_layer("out").bias
+    kept: dict[str, np.ndarray] = {}
+
+    def hold_the_bias(epoch, logs):  # before the publish: step 20's out/bias is step 16's
+        if epoch == 4:
+            bias.assign(kept["bias"])
+        kept["bias"] = bias.numpy()
+
+    held = keras.callbacks.LambdaCallback(on_epoch_end=hold_the_bias)
+    callback = PublishCallback(tmp_path, keep=None, background=False)
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype(np.float32)
+    model.fit(x, x[:, :1], batch_size=8, epochs=6, verbose=0, callbacks=[held, callback])
+    found = versions.list_versions(tmp_path)
+    assert [e.step for e in found] == [4, 8, 12, 16, 20, 24]
+    follower = small_model(seed=1)
+    recorded = []
+    for entry in found:
+        with ws.open(entry.path) as store:
+            weights = {key: store[key] for key in store}
+            digests = {key: store.info(key).digest for key in store}
+        recorded.append(set(digests.values()) != {None})
+        if recorded[-1]:
+            assert digests == {key: "blake3:" + content_digest(value).hex() for key, value in weights.items()}
+        tf2.assign(follower, entry.path)
+        for key, value in tf2.export(follower).items():
+            np.testing.assert_array_equal(value, weights[key])
+    # 4: nothing to compare with; 8: all changed, hashed on the guess from 4; 12, 16: all changed;
+    # 20: out/bias unchanged (hashed after all); 24: all changed, hashed on the guess from 20
+    assert recorded == [True, True, False, False, True, True]
+    for key, value in tf2.export(model).items():
+        np.testing.assert_array_equal(tf2.export(follower)[key], value)  # the follower ends on the trained weights
+
+
 @pytest.mark.parametrize(("options", "what"), [({"every_n_epochs": 5}, "only the end of fit publishes"),
                                                ({"every_n_batches": 100, "at_end": False}, "nothing is published")])
 def test_keras_callback_says_when_its_interval_never_triggers(tmp_path, options, what):

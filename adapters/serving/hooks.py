@@ -11,7 +11,9 @@ thread instead). The training thread is held only for a snapshot: the Keras call
 each variable as an eager tensor that shares the variable's buffer, which TensorFlow copies on
 the next write to it (see :mod:`weightstore.adapters.serving.snapshot`); the TF1 hook fetches the
 values in one ``session.run``. A :class:`weightstore.BackgroundPublisher` then writes them:
-one at a time, a newer snapshot replacing one still waiting.
+one at a time, a newer snapshot replacing one still waiting. On either thread, a full version
+whose every weight changed since the last (a trainer's) is written without content digests,
+which no follower could match (:class:`~weightstore.store._save.DigestsSince`, one per hook).
 
 **A publish never costs the run.** No publish's failure is raised into the training loop, in
 the background or not: storage failures are retried with backoff (in the background), every
@@ -36,7 +38,6 @@ from typing import Any
 
 from typing_extensions import Unpack
 
-import weightstore
 from weightstore.core._extras import needs
 
 with needs("tf", __name__):
@@ -45,12 +46,13 @@ with needs("tf", __name__):
 
 from weightstore.adapters.plan import Selection, SelectionWords
 from weightstore.sharded._cluster import is_tf_chief, tf_config_task
+from weightstore.store._save import DigestsSince
 from weightstore.sync._background import DEFAULT_RETRY_FOR, BackgroundPublisher
 from weightstore.sync._checks import checked_seconds
 from weightstore.sync._defaults import DEFAULT_FORMAT, DEFAULT_KEEP
 from weightstore.sync._delta import Delta
 from weightstore.sync._pinning import Version
-from weightstore.sync._publish import PublishOptions
+from weightstore.sync._publish import PublishOptions, publish_digested
 
 __all__ = ["PublishCallback", "PublishHook", "is_chief"]
 
@@ -84,6 +86,9 @@ class _Publisher:
         retry_for = checked_seconds("retry_for", retry_for)  # a bad one fails here, whether it is used or not
         #: one for the hook's life, kept by the background publisher when there is one
         self.delta: Delta | None = None if background or not delta else (Delta() if delta is True else delta)
+        #: on the training thread, as the background publisher does: a trainer's versions, each
+        #: weight changed since the last, are written without the digests none could match
+        self._digests = DigestsSince()
         self.background = (BackgroundPublisher(folder, **self.options, metadata=metadata, delta=delta,
                                                retry_for=retry_for) if background else None)
         self._last: Version | None = None
@@ -116,8 +121,9 @@ class _Publisher:
             if self.background is not None:
                 self.background.publish(read(), step=step, metadata=extra)
             else:
-                self._last = weightstore.publish(self.folder, read(), step=step, metadata={**self.metadata, **extra},
-                                                 delta=self.delta or False, **self.options)
+                self._last = publish_digested(self.folder, read(), step=step, metadata={**self.metadata, **extra},
+                                              delta=self.delta or False, digests=True if self.delta else self._digests,
+                                              **self.options)
         except Exception as error:  # a copy of the weights must not end the training it copies
             self._failures += 1
             self._error = error

@@ -14,7 +14,8 @@ documented composition of them:
    target, as that write begins (so before a save that reserves its blocks reserves them, see
    :mod:`weightstore.io._writeback`; one begun while this process wrote the target goes within a
    minute, see :func:`~weightstore.io.files.remove_stale_temporaries`): once its PID is dead if the temporary names this PID
-   namespace, once untouched for a day if it names another (a container on a shared volume,
+   namespace (at once if it names this very process, which is not writing it: an earlier process
+   of this PID's), once untouched for a day if it names another (a container on a shared volume,
    another host: its PIDs mean nothing here), see :mod:`weightstore.io.files`. Only regular
    files are replaced: a folder, FIFO, socket or
    device at the target is refused before anything is written, a symlink is written *through*
@@ -80,6 +81,7 @@ from weightstore.io.files import (
     remove_stale_temporaries,
     scratch_folder,
     temporary_beside,
+    temporary_done,
 )
 from weightstore.io.location import (
     Location,
@@ -196,6 +198,7 @@ class RenameCommit(Commit):
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)
+            temporary_done(self._temporary)
             self._temporary, self.landed = None, True
             fsync_folder(os.path.dirname(self._final) or ".", written=self._final)
         finally:
@@ -206,6 +209,7 @@ class RenameCommit(Commit):
         if self._temporary is not None:
             with contextlib.suppress(OSError):  # never hides why the write failed (a name too long, say)
                 os.unlink(self._temporary)
+            temporary_done(self._temporary)
             self._temporary = None
 
     def exists(self) -> bool:
@@ -408,6 +412,7 @@ class IndexLastCommit(Commit):
                 self._moved.append(prefix + path[len(temporary):])
         fsync_folder(Path(prefix).parent)
         os.replace(temporary + ".index", prefix + ".index")  # the commit point
+        temporary_done(temporary)
         self._temporary, self.landed = None, True
         kept = {prefix + path[len(temporary):] for path in written}
         for stale in checkpoint_files(prefix):
@@ -425,6 +430,7 @@ class IndexLastCommit(Commit):
                 if name.startswith(base) and re.fullmatch(_TEMPORARY_ENDINGS, name[len(base):]):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(os.path.join(folder, name))
+        temporary_done(temporary)
         if self._fresh_names:  # data files the old index never names
             for path in self._moved:
                 with contextlib.suppress(FileNotFoundError):

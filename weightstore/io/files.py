@@ -13,7 +13,12 @@ where none can be read). A writer
 killed mid-write leaves its temporary; the next write to that target removes it
 (:func:`remove_stale_temporaries`) when its PID is dead *and* ``SPACE`` is this process's, since
 a PID means nothing outside its namespace: a writer in a container sharing the folder, or on
-another host over NFS, has PIDs that may be dead here while it writes. A temporary of another
+another host over NFS, has PIDs that may be dead here while it writes. One named by this very
+process (its PID and ``SPACE``) that it is not writing (:func:`temporary_beside` notes each
+name until :func:`temporary_done`) is dead too: an earlier process of this PID in a namespace
+of this space left it (a container's trainer is often PID 1, and a restarted container's PID
+namespace may get the inode its killed one had: the kernel hands out the lowest free one),
+while another thread's write of the same target keeps its own. A temporary of another
 space is removed only once untouched for :data:`STALE_AFTER` (a day). A name without ``SPACE``
 (``.NAME.wstmp-PID-RANDOM``, written by older weightstore) keeps the PID rule alone.
 A save takes no lock (libhdf5 locks the files it opens itself and fails under one of ours), so
@@ -47,7 +52,7 @@ from weightstore.errors import FileAccessError, FormatError, StorageError, Store
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "unreadable",
     "check_writable_target",
-    "fsync_path", "fsync_folder", "temporary_beside", "remove_stale_temporaries",
+    "fsync_path", "fsync_folder", "temporary_beside", "temporary_done", "remove_stale_temporaries",
 ]
 
 #: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-SPACE-RANDOM``)
@@ -208,15 +213,25 @@ def temporary_beside(target: str, *, room: int = 0) -> str: ...
 def temporary_beside(target: Path | str, *, room: int = 0) -> Path | str:
     """A fresh temporary name beside ``target`` that :func:`remove_stale_temporaries` recognises,
     of the type given (a commit's path stays a ``str``: ``pathlib`` cost a small save 10 us).
+    Noted as this process's until :func:`temporary_done` (call it once the temporary is renamed
+    or removed), so that no sweep takes it for a dead predecessor's of the same PID.
 
     ``room`` is how many bytes the writer appends to it (a TF checkpoint's file endings).
     """
     path = os.fspath(target)
     folder, name = os.path.split(path)
     pid = os.getpid()  # asked once: a system call each time
-    temporary = os.path.join(folder, f"{_temporary_head(name, path, room)}{pid}-{_pid_space(pid)}-"
-                                     f"{secrets.token_hex(4)}")
+    own = f"{_temporary_head(name, path, room)}{pid}-{_pid_space(pid)}-{secrets.token_hex(4)}"
+    _TEMPORARIES_WRITTEN.add(own)  # before the file exists: another thread's sweep may list it at once
+    temporary = os.path.join(folder, own)
     return temporary if isinstance(target, str) else Path(temporary)
+
+
+def temporary_done(temporary: Path | str) -> None:
+    """The write through ``temporary`` (from :func:`temporary_beside`) is over, its file renamed
+    or removed: from now on a file of that name is no write of this process's (one left, its
+    removal failed, goes with the next sweep)."""
+    _TEMPORARIES_WRITTEN.discard(os.path.basename(temporary))
 
 
 def _temporary_head(name: str, path: str, room: int = 0) -> str:
@@ -236,6 +251,9 @@ def _temporary_head(name: str, path: str, room: int = 0) -> str:
     return f".{short}~{cut}{TEMP_MARK}"
 
 
+#: the names of the temporaries this process is writing (see :func:`temporary_beside`): one named by
+#: its own PID and space that is not among them is a dead predecessor's
+_TEMPORARIES_WRITTEN: set[str] = set()
 #: the space of this process's PID namespace, by the namespace (see :func:`_pid_space`)
 _SPACES: dict[tuple[int, int], str] = {}
 #: ``(PID, space)`` of this process once asked (see :func:`_pid_space`)
@@ -280,6 +298,7 @@ def _forget_space() -> None:
     _SWEPT_CLEAN.clear()
     _SCRATCH_SWEPT.clear()
     _SCRATCH_MADE.clear()  # its parent's, named by the parent's PID
+    _TEMPORARIES_WRITTEN.clear()  # likewise
 
 
 in_child(_forget_space)
@@ -318,7 +337,8 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
                              unless_clean: bool = False) -> None:
     """Remove temporaries of earlier writes to ``target`` whose writer has died (SIGKILL).
 
-    Dead means: named by this PID namespace and its PID is gone; named by another, unmodified
+    Dead means: named by this PID namespace and its PID is gone, or it is this process's PID and
+    this process is not writing it (an earlier process of this PID's); named by another, unmodified
     for :data:`STALE_AFTER`; named without one (older weightstore), its PID is gone (see the
     module docstring). ``locked``: the caller holds the lock every writer of ``target`` takes,
     so each temporary there is a dead writer's, whatever its name says: a writer killed on
@@ -345,14 +365,15 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
                     _SWEPT_CLEAN[key] = (swept[0], None)  # the state this write leaves, noted as it lands
                     return
     head = _temporary_head(base, key, room)
-    pattern = re.compile(rf"([0-9]+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+{suffix}\Z")
+    pattern = re.compile(rf"([0-9]+)-(?:([0-9a-f]{{{_SPACE_HEX}}})-)?[0-9a-f]+(?={suffix}\Z)")
     left = True  # unless the listing says otherwise
     with contextlib.suppress(OSError):
         names = os.listdir(folder or ".")  # a listing, and names compared first: the folder may be large
         left = False
         for name in names:
             match = name.startswith(head) and pattern.match(name, len(head))
-            if match and (locked or _dead(os.path.join(folder, name), int(match.group(1)), match.group(2))):
+            if match and (locked or _dead(os.path.join(folder, name), int(match.group(1)), match.group(2),
+                                          name[:match.end()], _TEMPORARIES_WRITTEN)):
                 with contextlib.suppress(OSError):  # gone already, or a folder: the next one may still go
                     os.unlink(os.path.join(folder, name))
                     continue
@@ -377,8 +398,8 @@ def scratch_folder(head: str) -> str:
     removes the folders a writer killed while it used one left (an upload's copy of a version
     file, an unpacked archive: a trainer killed mid-publish left a model-sized file in ``/tmp``
     at each kill, which no restart removed). Dead means what it does for a temporary (see
-    :func:`remove_stale_temporaries`), except that one named by this very process that it did
-    not make is dead: an earlier process of this PID in a namespace of this space (a container's
+    :func:`remove_stale_temporaries`): one named by this very process that it did not make is
+    dead too, an earlier process's of this PID in a namespace of this space (a container's
     trainer is often PID 1, and a restarted container's PID namespace may get the inode its killed
     one had: the kernel hands out the lowest free one). Only this user's folders are removed,
     never through a link. Removed with :func:`remove_scratch`."""
@@ -407,7 +428,6 @@ def remove_scratch(folder: str) -> None:
 def _remove_dead_scratch(temporary: str, head: str) -> None:
     """Remove the folders :func:`scratch_folder` made in ``temporary`` with ``head`` whose writer is dead."""
     pattern = re.compile(rf"([0-9]+)-([0-9a-f]{{{_SPACE_HEX}}})-[0-9a-z_]+\Z")
-    own = (os.getpid(), _pid_space())
     with contextlib.suppress(OSError):
         for entry in os.scandir(temporary):
             match = entry.name.startswith(head) and pattern.match(entry.name, len(head))
@@ -416,13 +436,19 @@ def _remove_dead_scratch(temporary: str, head: str) -> None:
             pid, space = int(match.group(1)), match.group(2)
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid() and \
-                        (entry.name not in _SCRATCH_MADE if (pid, space) == own else _dead(entry.path, pid, space)):
+                        _dead(entry.path, pid, space, entry.name, _SCRATCH_MADE):
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _dead(path: str, pid: int, space: str | None) -> bool:
-    """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone."""
-    if space is None or space == _pid_space():
+def _dead(path: str, pid: int, space: str | None, name: str, writing: set[str]) -> bool:
+    """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone. One
+    named by this very process is, unless ``name`` (its name, less what its writer appends) is
+    in ``writing``, the names of its kind this process is using: another of this PID and space
+    is an earlier process's (see the module docstring)."""
+    here = space == _pid_space()
+    if here and pid == os.getpid():
+        return name not in writing
+    if space is None or here:
         return not process_alive(pid)
     try:
         return time.time() - os.lstat(path).st_mtime > STALE_AFTER

@@ -44,6 +44,7 @@ from weightstore.io.files import (
     kind_of,
     process_alive,
     temporary_beside,
+    temporary_done,
     unreadable,
 )
 from weightstore.io.location import filesystem, location_of, service, uncached
@@ -354,6 +355,7 @@ class LocalFolder(Folder):
         finally:
             with contextlib.suppress(OSError):  # never hides why the write failed
                 os.unlink(temporary)
+            temporary_done(temporary)
         fsync_folder(self.root)
         return True
 

@@ -148,8 +148,8 @@ def publish_digested(folder: Any, weights: Mapping[str, Any], *, step: int, keep
                      storage_options: Mapping[str, Any] | None, delta: bool | Delta,
                      digests: bool | DigestsSince) -> Version:
     """:func:`publish`, its full versions' content digests as ``digests`` says (``write_file``'s):
-    a :class:`~weightstore.sync.BackgroundPublisher` leaves them out of versions no digest of
-    which could match."""
+    a :class:`~weightstore.sync.BackgroundPublisher`, and a training hook publishing on the
+    training thread, leave them out of versions no digest of which could match."""
     step, keep, planner = checked_step(step), checked_keep(keep), as_delta(delta)
     fmt = checked_format(format)
     target = folder_for(folder, storage_options)
