@@ -391,11 +391,13 @@ class IndexLastCommit(Commit):
         self._fresh_names = self.shards <= self._entries
         if not self._fresh_names:
             self.shards = 1  # the exception of the module docstring: data renamed over the old data
-        self._temporary = str(temporary_beside(target, room=_TEMPORARY_ROOM))
         try:  # a checkpoint rewritten keeps the permission bits of the one it replaces (0600 stays 0600)
             self._mode: int | None = stat.S_IMODE(os.stat(self.target + ".index").st_mode)
         except FileNotFoundError:
             self._mode = None
+        # last: a begin that fails has no discard (see writing), so nothing after it may fail
+        # and leave its name noted as this process's write for good (see temporary_done)
+        self._temporary = str(temporary_beside(target, room=_TEMPORARY_ROOM))
         return self._temporary
 
     def finalize(self) -> None:
