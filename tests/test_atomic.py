@@ -186,6 +186,7 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     ws.save(path, {"w": np.zeros(2)})
     assert live.exists() and live_older.exists() and other_target.exists()
     assert not dead.exists() and not dead_older.exists()
+    files.temporary_done(live)  # its write over, as a writer says: the name is noted no longer
 
 
 def test_a_temporary_named_by_this_very_process_that_it_is_not_writing_goes(tmp_path, monkeypatch):
