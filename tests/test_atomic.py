@@ -175,7 +175,7 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     """Temporaries named by this PID namespace, or by older weightstore (no namespace), go once
     their PID is dead; a live writer's (this process's, writing it), or another target's, stay."""
     path = tmp_path / "w.npz"
-    dead_pid, space = _dead_pid(), files._pid_space()
+    dead_pid, space = _dead_pid(), files.pid_space()
     live = files.temporary_beside(path)
     dead = tmp_path / f".w.npz.wstmp-{dead_pid}-{space}-4567cdef"
     live_older = tmp_path / f".w.npz.wstmp-{os.getpid()}-0123abcd"
@@ -196,7 +196,7 @@ def test_a_temporary_named_by_this_very_process_that_it_is_not_writing_goes(tmp_
     removes it; another thread's save of the same target, under way meanwhile, keeps its own and
     commits."""
     path = tmp_path / "w.npz"
-    left = tmp_path / f".w.npz.wstmp-{os.getpid()}-{files._pid_space()}-0123abcd"  # the killed earlier PID 1's
+    left = tmp_path / f".w.npz.wstmp-{os.getpid()}-{files.pid_space()}-0123abcd"  # the killed earlier PID 1's
     left.write_bytes(b"partial")
     ws.save(path, {"w": np.arange(3.0)})
     assert not left.exists() and leftovers(tmp_path, path) == []
@@ -236,7 +236,7 @@ def test_a_temporary_left_in_a_folder_untouched_since_the_last_save_goes_within_
     ws.save(path, {"w": np.zeros(2)})
     ws.save(path, {"w": np.ones(2)})
     seen = os.stat(tmp_path)
-    dead = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{files._pid_space()}-4567cdef"
+    dead = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{files.pid_space()}-4567cdef"
     dead.write_bytes(b"partial")
     os.utime(tmp_path, ns=(seen.st_atime_ns, seen.st_mtime_ns))
     ws.save(path, {"w": np.full(2, 2.0)})
@@ -251,7 +251,7 @@ def test_temporaries_of_another_pid_namespace_go_only_once_untouched_for_a_day(t
     """Another namespace's PID means nothing here (dead here, its writer may be writing): its
     temporary stays while its mtime is recent, and goes once it has not moved for STALE_AFTER."""
     path = tmp_path / "w.npz"
-    elsewhere = "0" * 12 if files._pid_space() != "0" * 12 else "1" * 12
+    elsewhere = "0" * 12 if files.pid_space() != "0" * 12 else "1" * 12
     fresh = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{elsewhere}-0123abcd"
     old = tmp_path / f".w.npz.wstmp-{_dead_pid()}-{elsewhere}-4567cdef"
     for leftover in (fresh, old):
@@ -270,7 +270,7 @@ def test_a_scratch_folder_is_made_after_removing_dead_writers_ones_and_nothing_e
     file, a link to a folder elsewhere: never followed)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(files, "_SCRATCH_SWEPT", set())
-    head, space, dead_pid = "weightstore-upload-", files._pid_space(), _dead_pid()
+    head, space, dead_pid = "weightstore-upload-", files.pid_space(), _dead_pid()
     elsewhere = "0" * 12 if space != "0" * 12 else "1" * 12
     dead, live, other = (tmp_path / f"{head}{pid}-{named}-k_07lpue" for pid, named in
                          ((dead_pid, space), (os.getppid(), space), (dead_pid, elsewhere)))
@@ -301,7 +301,7 @@ def test_a_scratch_folder_named_by_this_very_process_that_it_did_not_make_goes(t
     head = "weightstore-upload-"
     mine = Path(files.scratch_folder(head))
     (mine / "upload.npz").write_bytes(b"being uploaded")
-    left = tmp_path / f"{head}{os.getpid()}-{files._pid_space()}-k_07lpue"  # the killed earlier PID 1's
+    left = tmp_path / f"{head}{os.getpid()}-{files.pid_space()}-k_07lpue"  # the killed earlier PID 1's
     left.mkdir()
     (left / "upload.npz").write_bytes(b"partial")
     monkeypatch.setattr(files, "_SCRATCH_SWEPT", set())  # the next upload of this process looks again

@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -696,7 +697,7 @@ def test_a_publish_waiting_on_a_lock_its_holder_could_not_write_in_names_no_othe
         killed = subprocess.run([sys.executable, "-c", KILLED_HOLDING_THE_LOCK, str(tmp_path)], timeout=120,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert killed.returncode == -signal.SIGKILL
-        gone = int((tmp_path / ".publish.lock").read_text().split(" pid ")[1].split(",")[0])
+        gone = int((tmp_path / ".publish.lock").read_text().split(" pid ")[1].split()[0])
     (tmp_path / ".publish.lock").chmod(0o444)  # as a file of another user's is to this one
     command = [sys.executable, "-c", STOPPED_HOLDING_ANOTHER_USERS_LOCK, str(tmp_path)]
     if os.geteuid() == 0:  # root writes any file; without the capabilities that let it, as a user would
@@ -732,6 +733,64 @@ def test_a_publish_waiting_on_a_lock_its_holder_could_not_write_in_names_no_othe
     assert f"pid {gone}" not in said and "held by a process that does not say who" in said, said
     assert stopped.returncode == 0 and out.split() == ["2"], error
     assert outcome and "got its publish lock after waiting" in caplog.text
+
+
+HOLDING_THE_LOCK_ELSEWHERE = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import weightstore as ws
+    from weightstore.sync import _stages as stages
+    folder, alive_here = sys.argv[1], set(json.loads(sys.argv[2]))
+
+    def hold(name):
+        if name == "locked":  # its words are in the lock file: the test publishes, and waits
+            print(os.getpid(), flush=True)
+            sys.stdin.readline()
+
+    while True:  # PIDs here count up from 2: the holder takes the first one that is dead in the test's namespace
+        pid = os.fork()
+        if pid == 0:
+            if os.getpid() in alive_here:
+                os._exit(3)
+            stages.hook = hold
+            ws.publish(folder, {"w": np.full((4,), 3, np.float32)}, step=3)
+            os._exit(0)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if code != 3:
+            sys.exit(code)
+""")
+
+
+def test_a_lock_holder_in_another_pid_namespace_is_named(tmp_path, caplog):
+    """A container sharing its host's name (``--uts=host``, as with ``--net=host``) has PIDs of
+    its own: a publish waiting for its lock took the words of a holder there, naming a PID dead
+    in its own namespace, for a dead holder's, and said the holder does not say who."""
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-Upf", "--mount-proc", "true"],
+                                                      capture_output=True).returncode:
+        pytest.skip("no unshare, or unshare -Upf --mount-proc refused here (no unprivileged user namespaces)")
+    alive_here = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+    holder = subprocess.Popen(["unshare", "-Upf", "--mount-proc", sys.executable, "-c", HOLDING_THE_LOCK_ELSEWHERE,
+                               str(tmp_path), json.dumps(alive_here)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    outcome: list = []
+    try:
+        pid = int(holder.stdout.readline())
+        waiting = threading.Thread(target=lambda: outcome.append(ws.publish(tmp_path, weights_at(5), step=5)))
+        with caplog.at_level("WARNING", logger="weightstore"):
+            waiting.start()
+            wait_until(lambda: "waiting for its publish lock" in caplog.text, what="a publisher waiting for the lock",
+                       every=0.05)
+            said = caplog.text
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            waiting.join(60)
+        assert holder.wait(60) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert f"held by {socket.gethostname()} pid {pid} in " in said and "does not say who" not in said, said
+    assert outcome and outcome[0].step == 5 and ws.latest(tmp_path).step == 5
 
 
 def test_a_publish_whose_lock_cannot_be_opened_is_a_write_error_naming_the_folder(tmp_path):

@@ -8,7 +8,7 @@ itself is given that descriptor), and every writer resolves its target through
 
 **Temporaries.** A write goes to ``.NAME.wstmp-PID-SPACE-RANDOM`` beside its target
 (:func:`temporary_beside`: same folder, so the same file system, so a rename can commit it).
-``SPACE`` names the PID namespace the writer's PID belongs to (:func:`_pid_space`; the host's
+``SPACE`` names the PID namespace the writer's PID belongs to (:func:`pid_space`; the host's
 where none can be read). A writer
 killed mid-write leaves its temporary; the next write to that target removes it
 (:func:`remove_stale_temporaries`) when its PID is dead *and* ``SPACE`` is this process's, since
@@ -52,7 +52,8 @@ from weightstore.errors import FileAccessError, FormatError, StorageError, Store
 __all__ = [
     "TEMP_MARK", "kind_of", "open_regular", "open_regular_unbuffered", "unreadable",
     "check_writable_target",
-    "fsync_path", "fsync_folder", "temporary_beside", "temporary_done", "remove_stale_temporaries",
+    "fsync_path", "fsync_folder", "temporary_beside", "temporary_done", "remove_stale_temporaries", "pid_space",
+    "process_alive",
 ]
 
 #: marks the temporary file a write puts beside its target (``.NAME.wstmp-PID-SPACE-RANDOM``)
@@ -221,7 +222,7 @@ def temporary_beside(target: Path | str, *, room: int = 0) -> Path | str:
     path = os.fspath(target)
     folder, name = os.path.split(path)
     pid = os.getpid()  # asked once: a system call each time
-    own = f"{_temporary_head(name, path, room)}{pid}-{_pid_space(pid)}-{secrets.token_hex(4)}"
+    own = f"{_temporary_head(name, path, room)}{pid}-{pid_space(pid)}-{secrets.token_hex(4)}"
     _TEMPORARIES_WRITTEN.add(own)  # before the file exists: another thread's sweep may list it at once
     temporary = os.path.join(folder, own)
     return temporary if isinstance(target, str) else Path(temporary)
@@ -254,13 +255,13 @@ def _temporary_head(name: str, path: str, room: int = 0) -> str:
 #: the names of the temporaries this process is writing (see :func:`temporary_beside`): one named by
 #: its own PID and space that is not among them is a dead predecessor's
 _TEMPORARIES_WRITTEN: set[str] = set()
-#: the space of this process's PID namespace, by the namespace (see :func:`_pid_space`)
+#: the space of this process's PID namespace, by the namespace (see :func:`pid_space`)
 _SPACES: dict[tuple[int, int], str] = {}
-#: ``(PID, space)`` of this process once asked (see :func:`_pid_space`)
+#: ``(PID, space)`` of this process once asked (see :func:`pid_space`)
 _OWN_SPACE: tuple[int, str] | None = None
 
 
-def _pid_space(pid: int | None = None) -> str:
+def pid_space(pid: int | None = None) -> str:
     """This process's PID namespace, as a temporary names it: a hash of the host's boot (a
     container sees its host's ``boot_id``) and the namespace's inode (one per namespace).
     Asked once per process (a ``stat`` of ``/proc``, a hundredth of a small save): a process
@@ -291,7 +292,7 @@ def _pid_space(pid: int | None = None) -> str:
 
 
 def _forget_space() -> None:
-    """In a forked child: its space is asked again (see :func:`_pid_space`), and its first write
+    """In a forked child: its space is asked again (see :func:`pid_space`), and its first write
     to a target sweeps it, as a new process's does (see :func:`remove_stale_temporaries`)."""
     global _OWN_SPACE
     _OWN_SPACE = None
@@ -409,7 +410,7 @@ def scratch_folder(head: str) -> str:
         _remove_dead_scratch(temporary, head)
     pid = os.getpid()
     while True:  # mkdtemp's loop, the name noted first: another thread's sweep must never take it for a dead one's
-        name = f"{head}{pid}-{_pid_space(pid)}-{secrets.token_hex(4)}"
+        name = f"{head}{pid}-{pid_space(pid)}-{secrets.token_hex(4)}"
         _SCRATCH_MADE.add(name)
         try:
             os.mkdir(os.path.join(temporary, name), 0o700)
@@ -445,7 +446,7 @@ def _dead(path: str, pid: int, space: str | None, name: str, writing: set[str]) 
     named by this very process is, unless ``name`` (its name, less what its writer appends) is
     in ``writing``, the names of its kind this process is using: another of this PID and space
     is an earlier process's (see the module docstring)."""
-    here = space == _pid_space()
+    here = space == pid_space()
     if here and pid == os.getpid():
         return name not in writing
     if space is None or here:

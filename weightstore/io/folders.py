@@ -17,6 +17,7 @@ import datetime
 import errno
 import logging
 import os
+import re
 import socket
 import stat
 import time
@@ -42,6 +43,7 @@ from weightstore.io.files import (
     fsync_folder,
     fsync_path,
     kind_of,
+    pid_space,
     process_alive,
     temporary_beside,
     temporary_done,
@@ -471,18 +473,23 @@ def _take_lock(fd: int, where: str) -> None:
         break
     with contextlib.suppress(OSError):  # a lock file it may not write still locks: only the words are lost
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}, since {_iso(time.time())}".encode(), 0)
+        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()} in {pid_space()}, since {_iso(time.time())}".encode(),
+                  0)
+
+
+#: a holder's words in ``.publish.lock``: ``HOST pid N in SPACE, since …`` (SPACE: its PID namespace's)
+_HOLDER_WORDS = re.compile(r"(.*) pid ([0-9]+) in ([0-9a-f]+),")
 
 
 def _holder(said: str) -> str:
-    """Who holds the lock, from what ``.publish.lock`` says: its holder's words (``host pid N,
-    since …``), unless they name a process of this host that is gone. A holder that may not write
+    """Who holds the lock, from what ``.publish.lock`` says: its holder's words (``HOST pid N in
+    SPACE, since …``), unless they name a process of this PID namespace (:func:`pid_space`: a
+    container sharing its host's name has PIDs of its own) that is gone. A holder that may not write
     the file (another user's, taken read-only) says nothing, and finds there the words of the last
     holder killed while it held the lock (others take theirs away as they let go of it)."""
     words = "".join(c if c.isprintable() else " " for c in said).strip()
-    host, _, rest = words.partition(" pid ")
-    pid = rest.split(",")[0]
-    if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
+    named = _HOLDER_WORDS.match(words)
+    if named and named[1] == socket.gethostname() and named[3] == pid_space() and not process_alive(int(named[2])):
         words = ""
     return words or ("a process that does not say who (one that may not write .publish.lock, another user's "
                      "file, cannot)")
