@@ -186,6 +186,7 @@ def test_temporaries_of_live_writers_are_left_alone(tmp_path):
     ws.save(path, {"w": np.zeros(2)})
     assert live.exists() and live_older.exists() and other_target.exists()
     assert not dead.exists() and not dead_older.exists()
+    files.temporary_done(live)  # its write over, as a writer says: the name is noted no longer
 
 
 def test_a_temporary_named_by_this_very_process_that_it_is_not_writing_goes(tmp_path, monkeypatch):
@@ -225,6 +226,27 @@ def test_a_temporary_named_by_this_very_process_that_it_is_not_writing_goes(tmp_
     loaded = ws.load(path)  # the thread's save committed, last
     assert sorted(loaded) == sorted(theirs) and all(np.array_equal(loaded[k], v) for k, v in theirs.items())
     assert leftovers(tmp_path, path) == []
+
+
+def test_where_no_pid_namespace_can_be_read_a_temporary_of_this_pid_stays(tmp_path, monkeypatch):
+    """Where ``/proc`` cannot tell PID namespaces apart, temporaries name the host's space, which
+    every container on the host shares: another container's trainer, PID 1 as this one is, may be
+    writing the temporary its PID names, so it is not taken for this process's dead predecessor's."""
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path) == "/proc/self/ns/pid":
+            raise PermissionError(13, "Permission denied", path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(files, "_OWN_SPACE", None)
+    monkeypatch.setattr(os, "stat", stat)
+    assert files.pid_space() == files._host_space()
+    path = tmp_path / "w.npz"
+    theirs = tmp_path / f".w.npz.wstmp-{os.getpid()}-{files.pid_space()}-0123abcd"  # another container's PID 1
+    theirs.write_bytes(b"being written")
+    ws.save(path, {"w": np.arange(3.0)})
+    assert theirs.exists() and ws.load(path)["w"].tolist() == [0, 1, 2]
 
 
 def test_a_temporary_left_in_a_folder_untouched_since_the_last_save_goes_within_the_minute(tmp_path, monkeypatch):

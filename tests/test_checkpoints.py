@@ -442,3 +442,17 @@ def test_state_file_lists_every_recorded_prefix_and_tensorflow_reads_it(tmp_path
     (tmp_path / "checkpoint").write_text("not a state file\n")
     with pytest.raises(FormatError, match="checkpoint state file names no model_checkpoint_path"):
         _checkpoints.state_file_text(str(tmp_path / "b.ckpt"))
+
+
+def test_a_checkpoint_write_refused_as_it_begins_notes_no_temporary_for_good(tmp_path):
+    """A write whose commit fails as it begins (its ``.index`` a link to itself: its ``stat``
+    fails) leaves no temporary's name noted as this process's: a long-running importer would
+    keep one per failure, and that name's file would never be taken for a dead writer's."""
+    from weightstore.io import files
+
+    prefix = tmp_path / "loop.ckpt"
+    os.symlink("loop.ckpt.index", tmp_path / "loop.ckpt.index")
+    noted = set(files._TEMPORARIES_WRITTEN)
+    with pytest.raises(OSError):
+        _checkpoints.write_checkpoint(str(prefix), {"w": np.ones(2, np.float32)})
+    assert noted == files._TEMPORARIES_WRITTEN

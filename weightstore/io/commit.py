@@ -198,8 +198,8 @@ class RenameCommit(Commit):
         replaced = _hold(self._final)
         try:
             os.replace(self._temporary, self._final)
-            temporary_done(self._temporary)
-            self._temporary, self.landed = None, True
+            done, self._temporary, self.landed = self._temporary, None, True
+            temporary_done(done)
             fsync_folder(os.path.dirname(self._final) or ".", written=self._final)
         finally:
             if replaced is not None:
@@ -391,11 +391,13 @@ class IndexLastCommit(Commit):
         self._fresh_names = self.shards <= self._entries
         if not self._fresh_names:
             self.shards = 1  # the exception of the module docstring: data renamed over the old data
-        self._temporary = str(temporary_beside(target, room=_TEMPORARY_ROOM))
         try:  # a checkpoint rewritten keeps the permission bits of the one it replaces (0600 stays 0600)
             self._mode: int | None = stat.S_IMODE(os.stat(self.target + ".index").st_mode)
         except FileNotFoundError:
             self._mode = None
+        # last: a begin that fails has no discard (see writing), so nothing after it may fail
+        # and leave its name noted as this process's write for good (see temporary_done)
+        self._temporary = str(temporary_beside(target, room=_TEMPORARY_ROOM))
         return self._temporary
 
     def finalize(self) -> None:
@@ -412,8 +414,8 @@ class IndexLastCommit(Commit):
                 self._moved.append(prefix + path[len(temporary):])
         fsync_folder(Path(prefix).parent)
         os.replace(temporary + ".index", prefix + ".index")  # the commit point
-        temporary_done(temporary)
         self._temporary, self.landed = None, True
+        temporary_done(temporary)
         kept = {prefix + path[len(temporary):] for path in written}
         for stale in checkpoint_files(prefix):
             if _DATA_FILE.search(stale) and stale not in kept:
@@ -425,12 +427,14 @@ class IndexLastCommit(Commit):
         if temporary is None:
             return
         folder, base = os.path.split(temporary)
-        with contextlib.suppress(FileNotFoundError):  # its files, pieces and TF's .tempstate files (a write refused midway)
-            for name in os.listdir(folder or "."):
-                if name.startswith(base) and re.fullmatch(_TEMPORARY_ENDINGS, name[len(base):]):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(folder, name))
-        temporary_done(temporary)
+        try:
+            with contextlib.suppress(FileNotFoundError):  # its files, pieces and TF's .tempstate files (a write refused midway)
+                for name in os.listdir(folder or "."):
+                    if name.startswith(base) and re.fullmatch(_TEMPORARY_ENDINGS, name[len(base):]):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(folder, name))
+        finally:  # a listing refused: what is left goes with a later sweep, its name no longer noted as written
+            temporary_done(temporary)
         if self._fresh_names:  # data files the old index never names
             for path in self._moved:
                 with contextlib.suppress(FileNotFoundError):

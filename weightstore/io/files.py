@@ -445,9 +445,11 @@ def _dead(path: str, pid: int, space: str | None, name: str, writing: set[str]) 
     """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone. One
     named by this very process is, unless ``name`` (its name, less what its writer appends) is
     in ``writing``, the names of its kind this process is using: another of this PID and space
-    is an earlier process's (see the module docstring)."""
+    is an earlier process's (see the module docstring). Not where the space is a host's
+    (:func:`_host_space`: no ``/proc`` to tell namespaces apart), which every container there
+    shares: their PID 1s may all be live."""
     here = space == pid_space()
-    if here and pid == os.getpid():
+    if here and pid == os.getpid() and space != _host_space():
         return name not in writing
     if space is None or here:
         return not process_alive(pid)
