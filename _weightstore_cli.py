@@ -6,7 +6,8 @@ handling printed a traceback of whichever module it was importing, and a Keyboar
 raised inside an import can do worse: a weak reference's callback swallows it (the command
 then runs on), or a C extension left half initialised crashes the exit. So while the imports
 run, Ctrl-C ends the process at once, where nothing has been written yet; the commands get
-Python's KeyboardInterrupt back, which their writes clean up after. The entry lives outside
+Python's KeyboardInterrupt back, which their writes clean up after, except where Python
+swallows it (:func:`_swallowed_interrupt_ends_at_once`). The entry lives outside
 the ``weightstore`` package, since importing anything inside it runs the package's imports
 first. ``python -m weightstore`` imports the package before its ``__main__``: the package's
 first lines call :func:`starting_as_module`, and ``__main__`` calls :func:`main`.
@@ -21,6 +22,7 @@ INTERRUPTED = 130  # as a shell reports a process stopped by SIGINT
 
 def main() -> None:
     try:
+        _swallowed_interrupt_ends_at_once()
         starting = _exit_at_once_while_starting()
         try:
             from weightstore.cli.main import main as ws
@@ -41,6 +43,7 @@ def starting_as_module() -> None:
     whose ``__main__`` then runs :func:`main`; a program that merely imports weightstore (``-m``
     of a module of its own included) keeps Python's handling."""
     if _module_run(sys.orig_argv) == "weightstore":
+        _swallowed_interrupt_ends_at_once()
         _exit_at_once_while_starting()
 
 
@@ -60,6 +63,23 @@ def _exit_at_once_while_starting() -> bool:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _exit_at_once)
     return signal.getsignal(signal.SIGINT) is _exit_at_once
+
+
+def _swallowed_interrupt_ends_at_once() -> None:
+    """A Ctrl-C whose KeyboardInterrupt Python swallows ends the process at once, as while
+    starting. Raised inside a weak reference's callback (the import machinery's: a command
+    imports what it needs when it needs it), a garbage collection's or a ``__del__``, it is
+    "ignored": Python prints it and the command runs on (``ws follow`` waited for ever, its
+    user's Ctrl-C spent). Nothing of the command handles it any more; a temporary its write
+    left is removed by the next write to that target."""
+    passed_on = sys.unraisablehook
+
+    def unraisable(seen: "sys.UnraisableHookArgs") -> None:
+        if seen.exc_type is not None and issubclass(seen.exc_type, KeyboardInterrupt):
+            _exit_at_once(signal.SIGINT, None)
+        passed_on(seen)
+
+    sys.unraisablehook = unraisable
 
 
 def _end_at_once_from_now_on(code: object) -> None:

@@ -1073,6 +1073,42 @@ main()
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "interrupted\n")
 
 
+SWALLOWED_WHILE_FOLLOWING = """
+import gc, os, signal, sys
+from _weightstore_cli import main
+
+def collected(phase, info):  # a callback whose exceptions Python only prints, as an import's lock's weak reference's
+    if phase == "stop" and "weightstore.sync._follow" in sys.modules and not fired:
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here: its KeyboardInterrupt is "ignored"
+            pass
+
+fired = []
+gc.callbacks.append(collected)
+sys.argv = ["ws", *sys.argv[1:]]
+main()
+"""
+
+
+def test_ctrl_c_that_python_swallows_still_ends_ws(tmp_path):
+    """A Ctrl-C whose KeyboardInterrupt Python raised inside a weak reference's callback (the
+    import machinery's, as a command imports what it needs) or a collection's is "ignored": it
+    printed "Exception ignored in …" and ``ws follow`` went on waiting for ever."""
+    ws.publish(tmp_path / "run", {"w": np.zeros(2, np.float32)}, step=1)
+    started = subprocess.Popen([sys.executable, "-c", SWALLOWED_WHILE_FOLLOWING, "follow", str(tmp_path / "run"),
+                                "--after", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    try:
+        out, err = started.communicate(timeout=60)
+    finally:
+        if started.poll() is None:
+            started.kill()
+            started.communicate()
+    assert (started.returncode, out) == (130, ""), err
+    assert err.endswith("interrupted\n") and "Traceback" not in err and "ignored" not in err, err
+
+
 #: what ``ws follow run --after 1`` says on stderr once it has looked, before the Ctrl-C
 WAITS_ABOVE_1 = "its latest version is step 1; waiting for a version above step 1"
 
