@@ -70,12 +70,13 @@ def _swallowed_interrupt_ends_at_once() -> None:
     starting. Raised inside a weak reference's callback (the import machinery's: a command
     imports what it needs when it needs it), a garbage collection's or a ``__del__``, it is
     "ignored": Python prints it and the command runs on (``ws follow`` waited for ever, its
-    user's Ctrl-C spent). Nothing of the command handles it any more; a temporary its write
-    left is removed by the next write to that target."""
+    user's Ctrl-C spent). Nothing of the command handles it any more: what it printed is
+    flushed, and a temporary its write left is removed by the next write to that target."""
     passed_on = sys.unraisablehook
 
     def unraisable(seen: "sys.UnraisableHookArgs") -> None:
         if seen.exc_type is not None and issubclass(seen.exc_type, KeyboardInterrupt):
+            _flush()
             _exit_at_once(signal.SIGINT, None)
         passed_on(seen)
 
@@ -89,12 +90,17 @@ def _end_at_once_from_now_on(code: object) -> None:
     status, what it printed flushed first."""
     if not (code is None or isinstance(code, int)) or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return
+    _flush()
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code or 0))
+
+
+def _flush() -> None:
+    """What the command printed, out before the process ends without Python's exit."""
     import contextlib  # imported by the command already: none of the start's cost
 
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a reader gone, or the stream closed: nothing can reach it
             stream.flush()
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code or 0))
 
 
 def _exit_at_once(signum: int, frame: object) -> None:

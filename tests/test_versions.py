@@ -789,7 +789,7 @@ def test_a_lock_holder_in_another_pid_namespace_is_named(tmp_path, caplog):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
-    assert f"held by {socket.gethostname()} pid {pid} in " in said and "does not say who" not in said, said
+    assert f"held by {socket.gethostname()} pid {pid} (PID namespace " in said and "does not say who" not in said, said
     assert outcome and outcome[0].step == 5 and ws.latest(tmp_path).step == 5
 
 

@@ -473,17 +473,17 @@ def _take_lock(fd: int, where: str) -> None:
         break
     with contextlib.suppress(OSError):  # a lock file it may not write still locks: only the words are lost
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()} in {pid_space()}, since {_iso(time.time())}".encode(),
-                  0)
+        words = f"{socket.gethostname()} pid {os.getpid()} (PID namespace {pid_space()}), since {_iso(time.time())}"
+        os.pwrite(fd, words.encode(), 0)
 
 
-#: a holder's words in ``.publish.lock``: ``HOST pid N in SPACE, since …`` (SPACE: its PID namespace's)
-_HOLDER_WORDS = re.compile(r"(.*) pid ([0-9]+) in ([0-9a-f]+),")
+#: a holder's words in ``.publish.lock``: ``HOST pid N (PID namespace SPACE), since …``
+_HOLDER_WORDS = re.compile(r"(.*) pid ([0-9]+) \(PID namespace ([0-9a-f]+)\),")
 
 
 def _holder(said: str) -> str:
-    """Who holds the lock, from what ``.publish.lock`` says: its holder's words (``HOST pid N in
-    SPACE, since …``), unless they name a process of this PID namespace (:func:`pid_space`: a
+    """Who holds the lock, from what ``.publish.lock`` says: its holder's words (``HOST pid N (PID
+    namespace SPACE), since …``), unless they name a process of this PID namespace (:func:`pid_space`: a
     container sharing its host's name has PIDs of its own) that is gone. A holder that may not write
     the file (another user's, taken read-only) says nothing, and finds there the words of the last
     holder killed while it held the lock (others take theirs away as they let go of it)."""
