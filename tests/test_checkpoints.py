@@ -452,7 +452,7 @@ def test_a_checkpoint_write_refused_as_it_begins_notes_no_temporary_for_good(tmp
 
     prefix = tmp_path / "loop.ckpt"
     os.symlink("loop.ckpt.index", tmp_path / "loop.ckpt.index")
-    noted = set(files._TEMPORARIES_WRITTEN)
+    noted = set(files._IN_USE)
     with pytest.raises(OSError):
         _checkpoints.write_checkpoint(str(prefix), {"w": np.ones(2, np.float32)})
-    assert noted == files._TEMPORARIES_WRITTEN
+    assert noted == files._IN_USE

@@ -122,8 +122,7 @@ class _Publisher:
                 self.background.publish(read(), step=step, metadata=extra)
             else:
                 self._last = publish_digested(self.folder, read(), step=step, metadata={**self.metadata, **extra},
-                                              delta=self.delta or False, digests=True if self.delta else self._digests,
-                                              **self.options)
+                                              delta=self.delta or False, digests=self._digests, **self.options)
         except Exception as error:  # a copy of the weights must not end the training it copies
             self._failures += 1
             self._error = error

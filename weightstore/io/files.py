@@ -223,7 +223,7 @@ def temporary_beside(target: Path | str, *, room: int = 0) -> Path | str:
     folder, name = os.path.split(path)
     pid = os.getpid()  # asked once: a system call each time
     own = f"{_temporary_head(name, path, room)}{pid}-{pid_space(pid)}-{secrets.token_hex(4)}"
-    _TEMPORARIES_WRITTEN.add(own)  # before the file exists: another thread's sweep may list it at once
+    _IN_USE.add(own)  # before the file exists: another thread's sweep may list it at once
     temporary = os.path.join(folder, own)
     return temporary if isinstance(target, str) else Path(temporary)
 
@@ -232,7 +232,7 @@ def temporary_done(temporary: Path | str) -> None:
     """The write through ``temporary`` (from :func:`temporary_beside`) is over, its file renamed
     or removed: from now on a file of that name is no write of this process's (one left, its
     removal failed, goes with the next sweep)."""
-    _TEMPORARIES_WRITTEN.discard(os.path.basename(temporary))
+    _IN_USE.discard(os.path.basename(temporary))
 
 
 def _temporary_head(name: str, path: str, room: int = 0) -> str:
@@ -252,9 +252,10 @@ def _temporary_head(name: str, path: str, room: int = 0) -> str:
     return f".{short}~{cut}{TEMP_MARK}"
 
 
-#: the names of the temporaries this process is writing (see :func:`temporary_beside`): one named by
-#: its own PID and space that is not among them is a dead predecessor's
-_TEMPORARIES_WRITTEN: set[str] = set()
+#: the names of the temporaries this process is writing and of the scratch folders it made and has
+#: not removed (see :func:`temporary_beside`, :func:`scratch_folder`): one named by its own PID and
+#: space that is not among them is a dead predecessor's
+_IN_USE: set[str] = set()
 #: the space of this process's PID namespace, by the namespace (see :func:`pid_space`)
 _SPACES: dict[tuple[int, int], str] = {}
 #: ``(PID, space)`` of this process once asked (see :func:`pid_space`)
@@ -298,8 +299,7 @@ def _forget_space() -> None:
     _OWN_SPACE = None
     _SWEPT_CLEAN.clear()
     _SCRATCH_SWEPT.clear()
-    _SCRATCH_MADE.clear()  # its parent's, named by the parent's PID
-    _TEMPORARIES_WRITTEN.clear()  # likewise
+    _IN_USE.clear()  # its parent's, named by the parent's PID
 
 
 in_child(_forget_space)
@@ -374,7 +374,7 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
         for name in names:
             match = name.startswith(head) and pattern.match(name, len(head))
             if match and (locked or _dead(os.path.join(folder, name), int(match.group(1)), match.group(2),
-                                          name[:match.end()], _TEMPORARIES_WRITTEN)):
+                                          name[:match.end()])):
                 with contextlib.suppress(OSError):  # gone already, or a folder: the next one may still go
                     os.unlink(os.path.join(folder, name))
                     continue
@@ -389,8 +389,6 @@ def remove_stale_temporaries(target: Path | str, suffix: str = "", *, room: int 
 
 #: the heads whose dead writers' scratch folders this process has removed (see :func:`scratch_folder`)
 _SCRATCH_SWEPT: set[str] = set()
-#: the names of the scratch folders this process made and has not removed (see :func:`scratch_folder`)
-_SCRATCH_MADE: set[str] = set()
 
 
 def scratch_folder(head: str) -> str:
@@ -411,11 +409,11 @@ def scratch_folder(head: str) -> str:
     pid = os.getpid()
     while True:  # mkdtemp's loop, the name noted first: another thread's sweep must never take it for a dead one's
         name = f"{head}{pid}-{pid_space(pid)}-{secrets.token_hex(4)}"
-        _SCRATCH_MADE.add(name)
+        _IN_USE.add(name)
         try:
             os.mkdir(os.path.join(temporary, name), 0o700)
         except FileExistsError:
-            _SCRATCH_MADE.discard(name)
+            _IN_USE.discard(name)
             continue
         return os.path.abspath(os.path.join(temporary, name))
 
@@ -423,7 +421,7 @@ def scratch_folder(head: str) -> str:
 def remove_scratch(folder: str) -> None:
     """Remove a folder :func:`scratch_folder` made, and whatever is in it."""
     shutil.rmtree(folder, ignore_errors=True)
-    _SCRATCH_MADE.discard(os.path.basename(folder))
+    _IN_USE.discard(os.path.basename(folder))
 
 
 def _remove_dead_scratch(temporary: str, head: str) -> None:
@@ -437,20 +435,20 @@ def _remove_dead_scratch(temporary: str, head: str) -> None:
             pid, space = int(match.group(1)), match.group(2)
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid == os.getuid() and \
-                        _dead(entry.path, pid, space, entry.name, _SCRATCH_MADE):
+                        _dead(entry.path, pid, space, entry.name):
                     shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _dead(path: str, pid: int, space: str | None, name: str, writing: set[str]) -> bool:
+def _dead(path: str, pid: int, space: str | None, name: str) -> bool:
     """Whether the writer of the temporary ``path``, named by ``pid`` in ``space``, is gone. One
     named by this very process is, unless ``name`` (its name, less what its writer appends) is
-    in ``writing``, the names of its kind this process is using: another of this PID and space
+    one this process is using (:data:`_IN_USE`): another of this PID and space
     is an earlier process's (see the module docstring). Not where the space is a host's
     (:func:`_host_space`: no ``/proc`` to tell namespaces apart), which every container there
     shares: their PID 1s may all be live."""
     here = space == pid_space()
     if here and pid == os.getpid() and space != _host_space():
-        return name not in writing
+        return name not in _IN_USE
     if space is None or here:
         return not process_alive(pid)
     try:

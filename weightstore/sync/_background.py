@@ -326,8 +326,7 @@ class BackgroundPublisher:
             attempted = time.monotonic()
             try:
                 version = publish_digested(self.folder, job.weights, step=job.step, metadata=job.metadata,
-                                           delta=self._delta or False,
-                                           digests=True if self._delta else self._digests, **self._options)
+                                           delta=self._delta or False, digests=self._digests, **self._options)
             except BaseException as error:  # counted and handed to the future, never to the trainer
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 self._failing = True

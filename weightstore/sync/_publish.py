@@ -149,8 +149,10 @@ def publish_digested(folder: Any, weights: Mapping[str, Any], *, step: int, keep
                      digests: bool | DigestsSince) -> Version:
     """:func:`publish`, its full versions' content digests as ``digests`` says (``write_file``'s):
     a :class:`~weightstore.sync.BackgroundPublisher`, and a training hook publishing on the
-    training thread, leave them out of versions no digest of which could match."""
+    training thread, leave them out of versions no digest of which could match. A delta
+    publisher's anchors keep them all, as its deltas do."""
     step, keep, planner = checked_step(step), checked_keep(keep), as_delta(delta)
+    digests = True if planner is not None else digests
     fmt = checked_format(format)
     target = folder_for(folder, storage_options)
     name = f"step-{step:012d}{fmt.suffixes[0]}"
